@@ -1,0 +1,1390 @@
+r"""
+# Proximal Policy Optimization on Atari
+
+This page trains an agent to play an Atari 2600 game from pixels with Proximal Policy
+Optimization (PPO), and is written to be read top to bottom. Everything the agent needs is here, in
+one file: the wrapper that turns the emulator into frames a network can learn from, the processes
+that play many games at once, the convolutional actor-critic, generalized advantage estimation, the
+clipped objective, and the trainer with its logs and checkpoints.
+
+```
+pip install -r requirements.txt
+python ppo_atari.py --env Breakout              # train; TensorBoard events in runs/
+python ppo_atari.py --eval runs/<run>/checkpoint.pt --capture-video
+```
+
+The defaults are those of the PPO paper's Atari experiments: 8 games, 128 steps each per update, 4
+epochs of 4 minibatches, a learning rate of $2.5 \cdot 10^{-4}$ and a clip range of $0.1$, both
+annealed linearly to zero over 10M agent steps (40M frames). PPO reports a Breakout score of 274.8
+at that budget (Schulman et al., 2017, table 6); CleanRL's `ppo_atari.py` reaches about 416 (its
+published benchmark). The README holds what this script measured, with the commands.
+
+Papers: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
+arXiv:1506.02438); the Atari preprocessing and network of DQN (Mnih et al., 2015, Nature 518);
+sticky actions and the evaluation protocol of Machado et al. (2018, JAIR 61); time limits as
+truncation (Pardo et al., 2018, arXiv:1712.00378); the implementation details catalogued by Huang
+et al. (2022, "The 37 implementation details of PPO", ICLR blog track).
+
+The page in order:
+
+1. Configuration: every hyperparameter, with the command line derived from it.
+2. The game: `Game`, one Atari game as the learner sees it.
+3. The workers: `Workers`, many games in other processes, frames in shared memory.
+4. The model: `ActorCritic`, the Nature CNN with a policy head and a value head.
+5. The math: `compute_gae` and `ppo_loss`.
+6. The trainer: sampling, updating, logging, checkpoints.
+7. Evaluation and `main()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import ctypes
+import dataclasses
+import difflib
+import inspect
+import math
+import multiprocessing as mp
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+import traceback
+import typing
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for_any
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import ale_py
+import cv2
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.distributions import Categorical
+
+# ## Configuration
+#
+# One dataclass holds every setting of a run. The string under each field is its documentation and
+# also its `--help` text: the command line is derived from this class, with `num_envs` spelled
+# `--num-envs`, and booleans as `--flag` / `--no-flag`.
+
+
+@dataclass
+class Config:
+    env: str = "Breakout"
+    """Atari game: a short name (`Breakout`) or a full id (`BreakoutNoFrameskip-v4`, `ALE/Breakout-v5`).
+    A full id only names the game; the protocol comes from the flags below."""
+    total_timesteps: int = 10_000_000
+    """Agent steps to train for, summed over all games (one agent step is `frame_skip` frames)."""
+    num_envs: int = 8
+    """Games played at once."""
+    num_steps: int = 128
+    """Steps each game plays per update; a batch is `num_envs * num_steps` transitions."""
+    num_workers: int = 0
+    """Processes that play the games (0: one per CPU core, at most one per game)."""
+    learning_rate: float = 2.5e-4
+    """Adam's learning rate at the start; annealed linearly to 0 over the run."""
+    clip_range: float = 0.1
+    """PPO's clip range epsilon at the start; annealed linearly to 0 over the run."""
+    gamma: float = 0.99
+    """Discount factor."""
+    gae_lambda: float = 0.95
+    """GAE's lambda: 0 is one-step TD, 1 is the Monte Carlo return."""
+    num_minibatches: int = 4
+    """Minibatches the batch is split into for each epoch."""
+    update_epochs: int = 4
+    """Passes over the batch per update."""
+    ent_coef: float = 0.01
+    """Weight of the entropy bonus."""
+    vf_coef: float = 0.5
+    """Weight of the value loss."""
+    max_grad_norm: float = 0.5
+    """Clip the global norm of the gradient to this."""
+    target_kl: float | None = None
+    """Stop an update early once the approximate KL divergence to the old policy exceeds this."""
+    sticky_actions: float = 0.0
+    """Probability that the emulator repeats the previous action on a frame (0.25: Machado et al.)."""
+    life_loss: bool = True
+    """End the learning episode when a life is lost (the game goes on)."""
+    noop_max: int = 30
+    """Up to this many no-op frames at the start of each game, a random number of them."""
+    frame_skip: int = 4
+    """Frames each action is repeated for."""
+    max_episode_frames: int = 108_000
+    """Frames after which a game is cut (a truncation): 30 minutes of play at 60 frames a second."""
+    seed: int = 1
+    """Seeds torch, numpy and every game (each game gets its own seed derived from this)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the network runs (`auto`: CUDA when there is one)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Arithmetic of the convolutional torso (`auto`: bfloat16 on a CPU with AMX, float32 with TF32 on CUDA)."""
+    start_method: Literal["default", "fork", "spawn", "forkserver"] = "default"
+    """How worker processes are started (`default`: the platform's own)."""
+    run_dir: str | None = None
+    """Where TensorBoard events and checkpoints go (default: runs/<env>__<seed>__<time>)."""
+    checkpoint_every: int = 100
+    """Write checkpoint.pt every this many updates (and always at the end and on Ctrl-C)."""
+    resume: str | None = None
+    """Continue training from this checkpoint, on the same schedule."""
+    eval: str | None = None
+    """Play `eval_episodes` whole games with the policy in this checkpoint and print the score."""
+    eval_episodes: int = 10
+    """Games to play with `--eval`."""
+    capture_video: bool = False
+    """With `--eval`, write each game to an mp4 in <run dir>/videos."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_envs * self.num_steps
+
+    @property
+    def minibatch_size(self) -> int:
+        return self.batch_size // self.num_minibatches
+
+    @property
+    def num_updates(self) -> int:
+        return self.total_timesteps // self.batch_size
+
+
+# The settings of one invocation rather than of the agent: a resumed run takes its hyperparameters
+# from the checkpoint, but these from the command line (or their defaults).
+RUN_OPTIONS = {"num_workers", "device", "precision", "start_method", "run_dir", "resume", "eval",
+               "eval_episodes", "capture_video", "checkpoint_every"}
+
+
+class ConfigError(Exception):
+    """A mistake in what the user asked for: reported in one line, exit status 2."""
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The string literal under each field of a dataclass, read from its source."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(source).body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def parse_int(text: str) -> int:
+    """An integer, also written as `10_000_000` or `1e7`."""
+    try:
+        return int(text)
+    except ValueError:
+        value = float(text)
+        if not value.is_integer():
+            raise ValueError(text) from None
+        return int(value)
+
+
+parse_int.__name__ = "integer"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a mistake is one line on stderr and exit status 2, without the usage block."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, one flag per field of `Config`.
+
+    Flags the user did not type are absent from the parsed namespace (`argparse.SUPPRESS`), so a
+    resumed run can tell an explicit `--total-timesteps` from the default.
+    """
+    parser = OneLineParser(prog=Path(sys.argv[0]).name if sys.argv[0] else "ppo_atari.py",
+                           description="PPO on Atari, annotated. See the module docstring.",
+                           argument_default=argparse.SUPPRESS)
+    docs = field_docs(Config)
+    hints = typing.get_type_hints(Config)
+    for field in dataclasses.fields(Config):
+        flag = "--" + field.name.replace("_", "-")
+        kind = hints[field.name]
+        help_text = f"{docs.get(field.name, '')} (default: {field.default})"
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+            continue
+        if typing.get_origin(kind) is Literal:
+            parser.add_argument(flag, choices=typing.get_args(kind), help=help_text)
+            continue
+        if type(None) in typing.get_args(kind):
+            kind = next(t for t in typing.get_args(kind) if t is not type(None))
+        parser.add_argument(flag, type=parse_int if kind is int else kind, metavar=field.name.upper(),
+                            help=help_text)
+    return parser
+
+
+def check_config(config: Config) -> None:
+    """Refuse settings that cannot work, before any process starts."""
+    positive = ["total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs",
+                "frame_skip", "max_episode_frames", "checkpoint_every", "eval_episodes"]
+    for name in positive:
+        if getattr(config, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
+    for name in ["learning_rate", "clip_range", "max_grad_norm"]:
+        if not getattr(config, name) > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
+    for name in ["gamma", "gae_lambda", "sticky_actions"]:
+        if not 0 <= getattr(config, name) <= 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1], not {getattr(config, name)}")
+    for name in ["ent_coef", "vf_coef", "noop_max", "num_workers"]:
+        if getattr(config, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must not be negative, not {getattr(config, name)}")
+    if config.target_kl is not None and not config.target_kl > 0:
+        raise ConfigError(f"--target-kl must be positive, not {config.target_kl}")
+    if config.batch_size % config.num_minibatches:
+        raise ConfigError(f"the batch of {config.num_envs} envs x {config.num_steps} steps = {config.batch_size} "
+                          f"does not split into {config.num_minibatches} minibatches")
+    if config.eval is None and config.total_timesteps < config.batch_size:
+        raise ConfigError(f"--total-timesteps {config.total_timesteps} is less than one batch "
+                          f"({config.batch_size} = num envs x num steps)")
+    if config.num_workers > config.num_envs:
+        raise ConfigError(f"--num-workers {config.num_workers} is more than --num-envs {config.num_envs}")
+    if config.max_episode_frames <= config.noop_max + 2 * config.frame_skip:
+        raise ConfigError(f"--max-episode-frames {config.max_episode_frames} leaves no room to play "
+                          f"after {config.noop_max} no-ops")
+    if config.eval is not None and config.resume is not None:
+        raise ConfigError("--eval and --resume cannot be used together")
+    if config.capture_video and config.eval is None:
+        raise ConfigError("--capture-video records evaluation games; use it with --eval CHECKPOINT")
+
+
+# ## The game
+#
+# The emulator shows 210 x 160 colour frames at 60 per second and knows nothing of learning. The
+# `Game` class turns it into what the DQN paper (Mnih et al., 2015) fed its network, the protocol
+# PPO, CleanRL and rl-zoo all report on: the agent picks an action every 4th frame, sees a stack of
+# the last 4 of its observations, grey and shrunk to 84 x 84, and learns from rewards clipped to
+# their sign. Our wrapper does the frame skipping itself and asks the ALE to step one frame at a
+# time, with no sticky actions unless `--sticky-actions` sets them and the minimal action set.
+
+
+def resolve_env_id(name: str) -> str:
+    """The gymnasium id of an Atari game named `name`, or a `ConfigError` suggesting close names."""
+    gym.register_envs(ale_py)
+    atari_ids = sorted(env_id for env_id, spec in gym.registry.items()
+                       if spec.entry_point == "ale_py.env:AtariEnv")
+    if name in atari_ids:
+        return name
+    short_names = {env_id[4:-3]: env_id for env_id in atari_ids
+                   if env_id.startswith("ALE/") and env_id.endswith("-v5") and "-ram" not in env_id}
+    for short_name, env_id in short_names.items():
+        if short_name.lower() == name.lower():
+            return env_id
+    close = difflib.get_close_matches(name, list(short_names) + atari_ids, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; names look like Breakout or ALE/Breakout-v5"
+    raise ConfigError(f"unknown Atari game {name!r}{hint}")
+
+
+def game_name(env_id: str) -> str:
+    """The ROM behind an id: `ALE/Breakout-v5` and `BreakoutNoFrameskip-v4` are both `breakout`."""
+    return gym.spec(env_id).kwargs["game"]
+
+
+def game_seeds(seed: int, count: int) -> np.ndarray:
+    """`count` distinct, independent seeds for the games of a run seeded with `seed`."""
+    return np.random.SeedSequence(seed).generate_state(count)
+
+
+class Transition(NamedTuple):
+    """What one agent step of a `Game` reports besides the new observation."""
+
+    reward: float
+    """The reward for learning: the sign of the points scored in the step."""
+    terminated: bool
+    """The learning episode ended with no future: game over, or a life lost when life loss is on."""
+    truncated: bool
+    """The game was cut at the frame cap: its future exists but we stop watching; bootstrap it."""
+    game_over: bool
+    """The whole game ended (by either cause): it must be reset before the next step."""
+    score: float
+    """The game's real, unclipped score so far."""
+    length: int
+    """Agent steps taken in this game so far."""
+
+
+class Game:
+    r"""One Atari game as the learner sees it.
+
+    The pieces, each a known trick (Mnih et al., 2015; Machado et al., 2018; Huang et al., 2022):
+
+    * **No-op starts.** A deterministic emulator starts every game the same way, so after a reset a
+      random number (1 to `noop_max`) of frames pass with no action, and games differ from the start.
+    * **FIRE to start.** Games whose second action is FIRE (Breakout, Pong, ...) wait for it before
+      play begins, after a reset and after each lost life. Pressing it for the agent saves it
+      thousands of wasted steps learning to serve.
+    * **Frame skip and max-pool.** Each action is repeated for `frame_skip` frames and the rewards
+      summed. The observation is the pixel-wise maximum of the last two frames, because the Atari
+      draws some sprites only on every other frame and one frame alone can miss them.
+    * **Grey, small, stacked.** The pooled frame is converted to luminance (the ALE's own palette
+      conversion), shrunk to 84 x 84 with area averaging, and stacked with the three before it, so
+      the network can see motion. Frames stay `uint8`, channels first; the newest is last.
+    * **Reward clipping.** Learning sees $\mathrm{sign}(r)$, so one learning rate fits games whose
+      points come in ones and games whose points come in thousands. The real score is kept apart and
+      is what we report.
+    * **Life loss.** Losing a life ends the episode *for learning*: the advantage stops there, which
+      teaches the agent that a life is worth keeping. The game is not reset; it goes on with the
+      next life, and the score runs on.
+    * **Two ends.** Game over is a *termination*: there is no future to value. The frame cap is a
+      *truncation*: the game could go on, we just stopped it, and the value of where it was cut is
+      real. The two are reported apart so the advantage computation can treat them apart.
+
+    `obs` is the current stack of frames, updated in place; copy it to keep it. A worker passes a
+    view of shared memory as `obs`, so the frames land where the main process reads them.
+    """
+
+    def __init__(self, env_id: str, seed: int, *, sticky_actions: float = 0.0, life_loss: bool = True,
+                 noop_max: int = 30, frame_skip: int = 4, max_episode_frames: int = 108_000,
+                 obs: np.ndarray | None = None):
+        gym.register_envs(ale_py)
+        ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner from every emulator
+        # The ALE steps one frame at a time (`frameskip=1`) and cuts the game at the frame cap, which
+        # it then reports through `game_truncated()` rather than as a game over.
+        env = gym.make(env_id, frameskip=1, repeat_action_probability=sticky_actions,
+                       full_action_space=False, max_num_frames_per_episode=max_episode_frames)
+        self.env = env.unwrapped
+        self.env.reset(seed=int(seed))
+        self.ale = self.env.ale
+        self.actions = self.ale.getMinimalActionSet()
+        self.n_actions = len(self.actions)
+        meanings = self.env.get_action_meanings()
+        self.fire = self.actions[1] if len(meanings) >= 3 and meanings[1] == "FIRE" else None
+        self.life_loss = life_loss
+        self.noop_max = noop_max
+        self.frame_skip = frame_skip
+        self.rng = np.random.default_rng(int(seed))
+        height, width = self.ale.getScreenDims()
+        self.screens = np.zeros((2, height, width), np.uint8)
+        self.pooled = np.zeros((height, width), np.uint8)
+        self.obs = np.zeros((4, 84, 84), np.uint8) if obs is None else obs
+        self.score = 0.0
+        self.length = 0
+        self.lives = 0
+
+    def reset(self) -> np.ndarray:
+        """Start a new game: no-ops, FIRE if the game needs it, and a stack of the first frame."""
+        self.ale.reset_game()
+        for _ in range(self.rng.integers(1, self.noop_max + 1) if self.noop_max > 0 else 0):
+            self.ale.act(ale_py.Action.NOOP)
+            if self.ale.game_over():
+                self.ale.reset_game()
+        self.score = 0.0
+        self.length = 0
+        if self.fire is not None:
+            self.score += self._play(self.fire)
+            if self.ale.game_over():
+                return self.reset()
+        else:
+            self.ale.getScreenGrayscale(self.screens[0])
+            self.screens[1] = self.screens[0]
+        self.lives = self.ale.lives()
+        self._observe(new_game=True)
+        return self.obs
+
+    def step(self, action: int) -> Transition:
+        """Play `action` (an index into the minimal action set) for `frame_skip` frames."""
+        points = self._play(self.actions[action])
+        self.score += points
+        self.length += 1
+        lives = self.ale.lives()
+        life_lost = lives < self.lives and not self.ale.game_over()
+        self.lives = lives
+        # After a lost life, serve again for the agent. The frames of the serve belong to the next
+        # life, so its points (none, in the games we know) count for the score but not as a reward.
+        if life_lost and self.fire is not None:
+            self.score += self._play(self.fire)
+        game_over = self.ale.game_over(with_truncation=False)
+        truncated = self.ale.game_truncated()
+        self._observe(new_game=False)
+        return Transition(reward=float((points > 0) - (points < 0)),
+                          terminated=game_over or (self.life_loss and life_lost),
+                          truncated=truncated,
+                          game_over=game_over or truncated,
+                          score=self.score, length=self.length)
+
+    def render(self) -> np.ndarray:
+        """The current frame in colour, 210 x 160 x 3 RGB, for videos."""
+        return self.ale.getScreenRGB()
+
+    def _play(self, action: ale_py.Action) -> float:
+        """Repeat `action` for `frame_skip` frames; leave the last two frames in `screens`."""
+        points = 0.0
+        for frame in range(self.frame_skip):
+            points += self.ale.act(action)
+            if frame >= self.frame_skip - 2:
+                self.ale.getScreenGrayscale(self.screens[frame - self.frame_skip + 2])
+            if self.ale.game_over():
+                # The game ended before the last frame: the screens not yet grabbed would be stale,
+                # so the final frame stands in for them.
+                if frame < self.frame_skip - 1:
+                    self.ale.getScreenGrayscale(self.screens[1])
+                if frame < self.frame_skip - 2:
+                    self.screens[0] = self.screens[1]
+                break
+        return points
+
+    def _observe(self, new_game: bool) -> None:
+        """Pool the last two screens, shrink the result into the newest slot of the stack."""
+        np.maximum(self.screens[0], self.screens[1], out=self.pooled)
+        if new_game:
+            # A new game has no past: its first frame fills the whole stack.
+            cv2.resize(self.pooled, (84, 84), dst=self.obs[-1],
+                       interpolation=cv2.INTER_AREA)
+            self.obs[:-1] = self.obs[-1]
+        else:
+            self.obs[:-1] = self.obs[1:]
+            cv2.resize(self.pooled, (84, 84), dst=self.obs[-1],
+                       interpolation=cv2.INTER_AREA)
+
+
+# ## The workers
+#
+# One emulator plays about 2,500 agent steps a second on one core, and the network wants a batch
+# from many games at every step. `Workers` runs the games in other processes, several per process,
+# and drives them over `Pipe`s as in labml's original design. Three choices make it fast and safe:
+#
+# * **Everything travels through shared memory.** Each worker writes its games' observations,
+#   rewards and episode ends straight into arrays the main process reads; the pipe carries only a
+#   one-word command and a one-word answer. A batch of 8 frame stacks is 225 kB; pickling it at every
+#   step would cost more than the step itself.
+# * **Same-step auto-reset.** When a game ends, the worker resets it at once and the observation
+#   it writes is the first of the next game, so every step returns a usable observation for every
+#   game. The last observation of a truncated game is written apart (`final_obs`), since its value
+#   is needed to bootstrap.
+# * **Failures are loud.** An exception in a worker is sent back with its traceback and raised in
+#   the main process as a `WorkerError`; a worker that dies (killed by the kernel, say) closes its
+#   pipe, which the main process notices at once instead of waiting forever. Workers ignore Ctrl-C,
+#   which is the main process's to handle, and exit by themselves if the main process dies.
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed: the message carries its traceback, or how it died."""
+
+
+class VecStep(NamedTuple):
+    """One step of all games at once. Arrays are views of shared memory, valid until the next step."""
+
+    obs: np.ndarray
+    """`[num_envs, 4, 84, 84]` uint8: the observation after the step (the first of a new game where one ended)."""
+    rewards: np.ndarray
+    """`[num_envs]` float32: clipped rewards."""
+    terminated: np.ndarray
+    """`[num_envs]` bool."""
+    truncated: np.ndarray
+    """`[num_envs]` bool."""
+    final_obs: np.ndarray
+    """`[num_envs, 4, 84, 84]` uint8: the last observation of each game that was truncated in this step."""
+    finished_games: list[tuple[int, float, int]]
+    """`(env index, score, length)` of each whole game that ended in this step."""
+
+
+def shared_arrays(context, num_envs: int) -> dict[str, tuple]:
+    """The blocks of shared memory behind `VecStep`, one row per game, as `(block, shape, dtype)`.
+
+    The blocks are passed to each worker when it starts (this works under `fork` and `spawn`
+    alike), and each side makes its own numpy views of them with `numpy_views`.
+    """
+    frames = (num_envs, 4, 84, 84)
+    layout = {"obs": (frames, np.uint8), "final_obs": (frames, np.uint8), "actions": ((num_envs,), np.int64),
+              "rewards": ((num_envs,), np.float32), "terminated": ((num_envs,), np.bool_),
+              "truncated": ((num_envs,), np.bool_), "game_over": ((num_envs,), np.bool_),
+              "score": ((num_envs,), np.float64), "length": ((num_envs,), np.int64)}
+    return {name: (context.RawArray(ctypes.c_uint8, math.prod(shape) * np.dtype(dtype).itemsize), shape, dtype)
+            for name, (shape, dtype) in layout.items()}
+
+
+def numpy_views(blocks: dict[str, tuple]) -> dict[str, np.ndarray]:
+    return {name: np.frombuffer(block, dtype=dtype, count=math.prod(shape)).reshape(shape)
+            for name, (block, shape, dtype) in blocks.items()}
+
+
+def run_worker(connection: Connection, env_id: str, seeds: np.ndarray, first_env: int, blocks: dict[str, tuple],
+               game_options: dict) -> None:
+    """The loop of one worker process: it plays games `first_env, first_env + 1, ...`.
+
+    It answers each command from the main process (`reset`, `step`, `close`) with `ok` once the
+    arrays of its games are written, or with `error` and its traceback.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cv2.setNumThreads(1)
+    parent = mp.parent_process()
+    try:
+        rows = slice(first_env, first_env + len(seeds))
+        arrays = {name: array[rows] for name, array in numpy_views(blocks).items()}
+        games = [Game(env_id, seed, obs=arrays["obs"][i], **game_options) for i, seed in enumerate(seeds)]
+        connection.send_bytes(b"ok %d" % games[0].n_actions)
+        while True:
+            ready = wait_for_any([connection] + ([parent.sentinel] if parent is not None else []))
+            if connection not in ready:
+                return  # the main process is gone: leave no orphan behind
+            command = connection.recv_bytes()
+            if command == b"close":
+                return
+            for i, game in enumerate(games):
+                if command == b"reset":
+                    game.reset()
+                    continue
+                step = game.step(int(arrays["actions"][i]))
+                arrays["rewards"][i] = step.reward
+                arrays["terminated"][i] = step.terminated
+                arrays["truncated"][i] = step.truncated
+                arrays["game_over"][i] = step.game_over
+                if step.game_over:
+                    arrays["score"][i], arrays["length"][i] = step.score, step.length
+                    if step.truncated:
+                        arrays["final_obs"][i] = game.obs
+                    game.reset()
+            connection.send_bytes(b"ok")
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return
+    except BaseException:
+        try:
+            connection.send_bytes(b"error " + traceback.format_exc().encode())
+        except (OSError, ValueError):
+            pass
+
+
+class Workers:
+    """`num_envs` games played by `num_workers` processes; the vector environment of the trainer.
+
+    `reset()` starts every game and returns the observations; `step(actions)` plays one step of
+    every game and returns a `VecStep`. Use it as a context manager, or call `close()`.
+    """
+
+    def __init__(self, env_id: str, num_envs: int, num_workers: int, seed: int, game_options: dict,
+                 start_method: str | None = None):
+        context = mp.get_context(start_method)
+        self.num_envs = num_envs
+        blocks = shared_arrays(context, num_envs)
+        self.arrays = numpy_views(blocks)
+        self.processes: list[mp.process.BaseProcess] = []
+        self.connections: list[Connection] = []
+        seeds = game_seeds(seed, num_envs)
+        # Started with Ctrl-C ignored, so a Ctrl-C while they start (before they can ignore it
+        # themselves) cannot reach them; the setting survives both fork and exec.
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+        try:
+            for index, envs in enumerate(np.array_split(np.arange(num_envs), num_workers)):
+                ours, theirs = context.Pipe()
+                process = context.Process(target=run_worker, name=f"ppo_atari-worker-{index}", daemon=True,
+                                          args=(theirs, env_id, seeds[envs], int(envs[0]), blocks, game_options))
+                process.start()
+                theirs.close()
+                self.processes.append(process)
+                self.connections.append(ours)
+        finally:
+            if in_main_thread:
+                signal.signal(signal.SIGINT, previous)
+        try:
+            self.n_actions = int(self._receive()[0])
+        except BaseException:
+            self.close()
+            raise
+
+    def reset(self) -> np.ndarray:
+        self._send(b"reset")
+        self._receive()
+        return self.arrays["obs"]
+
+    def step(self, actions: np.ndarray) -> VecStep:
+        a = self.arrays
+        a["actions"][:] = actions
+        self._send(b"step")
+        self._receive()
+        finished = [(int(env), float(a["score"][env]), int(a["length"][env])) for env in np.flatnonzero(a["game_over"])]
+        return VecStep(a["obs"], a["rewards"], a["terminated"], a["truncated"], a["final_obs"], finished)
+
+    def _send(self, command: bytes) -> None:
+        for index, connection in enumerate(self.connections):
+            try:
+                connection.send_bytes(command)
+            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+                raise self._death(index) from None
+
+    def _receive(self) -> list[bytes]:
+        """Wait for every worker's answer; what follows `ok` in each."""
+        answers = []
+        for index, connection in enumerate(self.connections):
+            try:
+                answer = connection.recv_bytes()
+            except (EOFError, ConnectionResetError, OSError):
+                raise self._death(index) from None
+            if answer.startswith(b"error"):
+                raise WorkerError(f"worker {index} failed; its traceback:\n{answer[6:].decode().rstrip()}")
+            answers.append(answer[3:])
+        return answers
+
+    def _death(self, index: int) -> WorkerError:
+        process = self.processes[index]
+        process.join(timeout=5)
+        code = process.exitcode
+        if code is not None and code < 0:
+            how = f"killed by signal {signal.Signals(-code).name}"
+        else:
+            how = f"exit code {code}"
+        return WorkerError(f"worker {index} (pid {process.pid}) died unexpectedly ({how})")
+
+    def close(self) -> None:
+        """Stop every worker; those that do not stop in time are terminated, then killed."""
+        for connection in self.connections:
+            try:
+                connection.send_bytes(b"close")
+            except (OSError, ValueError):
+                pass
+        for process in self.processes:
+            process.join(timeout=3)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=3)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for connection in self.connections:
+            connection.close()
+        self.processes, self.connections = [], []
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+# ## The model
+#
+# The network of the DQN paper ("Nature CNN"): three convolutions and a 512-unit layer, shared by
+# two linear heads, one for the logits of the policy $\pi_\theta(a|s)$ and one for the value
+# $V_\theta(s)$. Sharing the torso halves the compute; the price is that the value loss and the
+# policy loss pull on the same features, which `vf_coef` balances.
+
+
+def layer_init(layer: nn.Module, gain: float = math.sqrt(2)) -> nn.Module:
+    r"""Orthogonal weights scaled by `gain`, zero biases.
+
+    Orthogonal matrices keep the norm of what passes through them, so activations neither explode
+    nor vanish with depth; $\sqrt 2$ makes up for the half of each ReLU's input that is cut to 0.
+    The policy head starts at gain 0.01, so the first policy is almost uniform and every action is
+    tried; the value head starts at gain 1.
+    """
+    nn.init.orthogonal_(layer.weight, gain)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+class ActorCritic(nn.Module):
+    """The Nature CNN torso with a policy head and a value head.
+
+    Frames arrive as `uint8` (four times fewer bytes to move than float32) and are scaled to [0, 1]
+    on the device. The network runs in `channels_last` layout, which the convolution libraries of
+    both CPUs (oneDNN) and GPUs (cuDNN) prefer; frames are fastest when they are stored that way
+    already. With `bf16` the torso runs in bfloat16 autocast while the heads stay in float32, so the
+    log-probabilities that PPO compares are computed in full precision.
+    """
+
+    def __init__(self, n_actions: int, bf16: bool = False):
+        super().__init__()
+        self.bf16 = bf16
+        self.torso = nn.Sequential(
+            layer_init(nn.Conv2d(4, 32, kernel_size=8, stride=4)), nn.ReLU(inplace=True),   # 84 x 84 -> 20 x 20
+            layer_init(nn.Conv2d(32, 64, kernel_size=4, stride=2)), nn.ReLU(inplace=True),  # -> 9 x 9
+            layer_init(nn.Conv2d(64, 64, kernel_size=3, stride=1)), nn.ReLU(inplace=True),  # -> 7 x 7
+            nn.Flatten(),
+            layer_init(nn.Linear(64 * 7 * 7, 512)), nn.ReLU(inplace=True),
+        )
+        self.policy = layer_init(nn.Linear(512, n_actions), gain=0.01)
+        self.value = layer_init(nn.Linear(512, 1), gain=1.0)
+        self.to(memory_format=torch.channels_last)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits `[batch, n_actions]` and values `[batch]` for `uint8` frames `[batch, 4, 84, 84]`."""
+        # One pass from bytes to the torso's own precision; `to` keeps the memory layout.
+        x = obs.to(torch.bfloat16 if self.bf16 else torch.float32).mul_(1.0 / 255.0)
+        x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            hidden = self.torso(x)
+        hidden = hidden.float()
+        return self.policy(hidden), self.value(hidden).squeeze(-1)
+
+
+# ## Generalized advantage estimation
+#
+# The policy gradient needs to know how much better an action was than the policy's average at
+# that state: the advantage $A_t$. GAE (Schulman et al., 2016) blends estimates of it from one step
+# to the whole rollout.
+
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor,
+                terminated: torch.Tensor, truncated: torch.Tensor, gamma: float,
+                gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Advantages and returns for a rollout; every argument is `[num_steps, num_envs]`.
+
+    With the TD error of step $t$
+
+    $$\delta_t = r_t + \gamma (1 - \mathrm{terminated}_t) V(s_{t+1}) - V(s_t),$$
+
+    the advantage is the exponentially weighted sum of the TD errors that follow, cut where the
+    episode ends:
+
+    $$\hat A_t = \delta_t + \gamma \lambda (1 - \mathrm{done}_t) \hat A_{t+1},
+      \qquad \mathrm{done}_t = \mathrm{terminated}_t \lor \mathrm{truncated}_t .$$
+
+    The returns that the value function regresses to are $\hat A_t + V(s_t)$, an estimate of the
+    $\lambda$-return.
+
+    `next_values[t]` is $V(s_{t+1})$, the value of the observation that step $t$ led to. Where the
+    game went on, that is simply `values[t + 1]` (or the value of the observation after the rollout).
+    Where step $t$ ended a game, the observation the workers returned is already the first of the
+    next game, so the caller supplies the value of the game's *final* observation instead.
+
+    **Why termination and truncation stay apart.** A termination (game over, a lost life) means
+    there is no future: the value after it is 0 and is not bootstrapped. A truncation (the frame cap)
+    means only that we stopped watching: the game would have gone on scoring, so $\delta_t$
+    bootstraps from $V$ of the final observation, while the sum over later TD errors is still cut,
+    since those belong to the next game. Folding the two into one `done` flag, as most reference
+    implementations do, teaches the value function that the world ends at the frame cap, a fact the
+    agent cannot see in its observation; Pardo et al. (2018) show the bias this causes. On Atari the
+    cap is rarely reached, but the code is forked into tasks where time limits are everywhere.
+    """
+    num_steps = rewards.shape[0]
+    advantages = torch.zeros_like(rewards)
+    not_terminated = 1.0 - terminated.float()
+    not_done = 1.0 - torch.maximum(terminated.float(), truncated.float())
+    deltas = rewards + gamma * not_terminated * next_values - values
+    advantage = torch.zeros_like(rewards[0])
+    for t in reversed(range(num_steps)):
+        advantage = deltas[t] + gamma * gae_lambda * not_done[t] * advantage
+        advantages[t] = advantage
+    return advantages, advantages + values
+
+
+# ## The clipped objective
+#
+# A policy gradient step is only accurate near the policy that collected the data. PPO takes many
+# minibatch steps on one batch, and keeps the new policy near the old one by taking away any gain
+# from moving the probability ratio $r_t(\theta) = \pi_\theta(a_t|s_t) / \pi_{\theta_\text{old}}(a_t|s_t)$
+# outside $[1 - \epsilon, 1 + \epsilon]$.
+
+
+class LossTerms(NamedTuple):
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    value_loss: torch.Tensor
+    entropy: torch.Tensor
+    approx_kl: torch.Tensor
+    clipfrac: torch.Tensor
+
+
+def ppo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+             values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, entropy: torch.Tensor,
+             clip_range: float, vf_coef: float, ent_coef: float) -> LossTerms:
+    r"""PPO's loss on a minibatch (advantages already normalised), to be minimised.
+
+    The policy term is the negated clipped surrogate of Schulman et al. (2017, eq. 7):
+
+    $$L^\text{CLIP} = -\mathbb{E}_t\left[\min\left(r_t \hat A_t,\;
+      \mathrm{clip}(r_t, 1 - \epsilon, 1 + \epsilon)\, \hat A_t\right)\right].$$
+
+    The minimum makes it a pessimistic bound: when the ratio has already moved past the clip in
+    the direction the advantage favours, the clipped term is the smaller, it is constant in
+    $\theta$, and its gradient is zero. When the ratio moved the wrong way, the unclipped term is
+    the smaller and the gradient pulls it back, however far it went.
+
+    The value term clips the same way around the old prediction, as the reference implementation
+    of the paper does (OpenAI baselines), and takes the larger error:
+    $L^V = \tfrac12 \mathbb{E}_t \max\left((V - R)^2, (V_\text{old} + \mathrm{clip}(V - V_\text{old}, -\epsilon, \epsilon) - R)^2\right)$.
+    The entropy bonus $S$ keeps the policy from collapsing early. In all,
+    $L = L^\text{CLIP} + c_V L^V - c_S S$.
+
+    `approx_kl` estimates $\mathrm{KL}(\pi_\text{old} \,\|\, \pi_\theta)$ with
+    $\mathbb{E}[(r - 1) - \log r]$, unbiased and never negative (Schulman, "Approximating KL
+    divergence", 2020); `clipfrac` is the share of samples whose ratio is outside the clip.
+    """
+    log_ratio = log_probs - old_log_probs
+    ratio = log_ratio.exp()
+    # Clip the ratio so one update cannot move the policy far: $\mathrm{clip}(r_t, 1-\epsilon, 1+\epsilon)$.
+    clipped_ratio = ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = torch.max(-advantages * ratio, -advantages * clipped_ratio).mean()
+
+    clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    value_loss = 0.5 * torch.max((values - returns) ** 2, (clipped_values - returns) ** 2).mean()
+
+    entropy = entropy.mean()
+    loss = policy_loss + vf_coef * value_loss - ent_coef * entropy
+    with torch.no_grad():
+        approx_kl = ((ratio - 1.0) - log_ratio).mean()
+        clipfrac = ((ratio - 1.0).abs() > clip_range).float().mean()
+    return LossTerms(loss, policy_loss, value_loss, entropy, approx_kl, clipfrac)
+
+
+def linear_schedule(initial: float, update: int, num_updates: int) -> float:
+    """`initial` annealed linearly: the full value at update 0, `initial / num_updates` at the last."""
+    return initial * (1.0 - update / num_updates)
+
+
+def explained_variance(predictions: torch.Tensor, targets: torch.Tensor) -> float:
+    r"""$1 - \mathrm{Var}[y - \hat y] / \mathrm{Var}[y]$: 1 for a perfect value function, 0 for a constant one."""
+    variance = targets.var()
+    return float("nan") if variance == 0 else float(1.0 - (targets - predictions).var() / variance)
+
+
+# ## The trainer
+#
+# Each update has two phases. **Sampling**: every game plays `num_steps` steps with the current
+# policy while we store observations, actions, their log-probabilities under the policy that chose
+# them, the values, rewards and episode ends. **Updating**: GAE turns the rollout into advantages
+# and returns, then `update_epochs` passes over the batch in shuffled minibatches minimise
+# `ppo_loss`. The rollout lives on the device, so the update never waits for a copy.
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient became NaN or infinite."""
+
+
+class Rollout(NamedTuple):
+    obs: torch.Tensor             # [num_steps, num_envs, 4, 84, 84] uint8
+    actions: torch.Tensor         # [num_steps, num_envs]
+    log_probs: torch.Tensor
+    values: torch.Tensor
+    next_values: torch.Tensor
+    rewards: torch.Tensor
+    terminated: torch.Tensor
+    truncated: torch.Tensor
+
+
+def choose_device(requested: str) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but torch finds no CUDA device")
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (Intel AMX), read from /proc/cpuinfo."""
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+def use_bf16(precision: str, device: torch.device) -> bool:
+    r"""Whether the torso runs in bfloat16.
+
+    On a CPU with AMX, bfloat16 halves the time of the update, which dominates training there
+    (measured with `benchmarks/throughput.py`; the README has the numbers). The heads stay in
+    float32. On CUDA, `auto` keeps float32 and lets cuDNN and cuBLAS use TF32 instead.
+    """
+    if precision == "auto":
+        return device.type == "cpu" and cpu_has_fast_bf16()
+    return precision == "bf16"
+
+
+class Trainer:
+    """PPO: the model, the optimizer, the rollout storage and the update, for any vector env.
+
+    `envs` needs `num_envs`, `n_actions`, `reset() -> obs` and `step(actions) -> VecStep`: the
+    `Workers` above, or a small synthetic task in the tests.
+    """
+
+    def __init__(self, config: Config, envs, device: torch.device, bf16: bool = False):
+        self.config = config
+        self.envs = envs
+        self.device = device
+        self.model = ActorCritic(envs.n_actions, bf16=bf16).to(device)
+        # Adam with eps 1e-5 rather than its default 1e-8, as in the PPO reference implementation;
+        # the fused kernel updates all parameters in one pass instead of a dozen small ops each.
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate, eps=1e-5, fused=True)
+        self.update = 0
+        self.global_step = 0
+        shape = (config.num_steps, envs.num_envs)
+        frames = (4, 84, 84)
+        # Frames are stored channels-last, the layout the network reads, so minibatches need no
+        # transposition. `obs` is a [steps, envs, ...] view of the flat [steps * envs, ...] storage.
+        self.flat_obs = torch.zeros((config.batch_size,) + frames, dtype=torch.uint8, device=device)
+        self.flat_obs = self.flat_obs.contiguous(memory_format=torch.channels_last)
+        self.obs = self.flat_obs.view(shape + frames)
+        self.minibatch_obs = torch.zeros((config.minibatch_size,) + frames, dtype=torch.uint8, device=device)
+        self.minibatch_obs = self.minibatch_obs.contiguous(memory_format=torch.channels_last)
+        self.actions = torch.zeros(shape, dtype=torch.long, device=device)
+        self.log_probs, self.values, self.next_values, self.rewards, self.terminated, self.truncated = (
+            torch.zeros(shape, device=device) for _ in range(6))
+        # Frames go to a GPU through pinned (page-locked) memory, which the copy engine can read
+        # without the CPU staging it first.
+        self.staging = torch.zeros((envs.num_envs, 4, 84, 84), dtype=torch.uint8,
+                                   pin_memory=device.type == "cuda")
+        self.next_obs = torch.zeros((envs.num_envs, 4, 84, 84), dtype=torch.uint8, device=device)
+        self.needs_reset = True
+        self.finished_games: list[tuple[int, float, int]] = []
+        self.timings = {"env": 0.0, "inference": 0.0, "update": 0.0}
+
+    def _load_next_obs(self, frames: np.ndarray) -> None:
+        self.staging.copy_(torch.from_numpy(frames))
+        self.next_obs.copy_(self.staging, non_blocking=True)
+
+    def collect_rollout(self, stop_requested=lambda: False) -> Rollout | None:
+        """Play `num_steps` steps in every game; `None` if `stop_requested()` turned true meanwhile.
+
+        On a CPU the network runs on one thread while sampling. A batch of 8 frames gains little
+        from more, and the threads of a parallel section keep spinning for a while after it ends,
+        on the very cores the workers need to step their games (measured: 25% slower sampling).
+        """
+        threads = torch.get_num_threads()
+        if self.device.type == "cpu":
+            torch.set_num_threads(1)
+        try:
+            with torch.inference_mode():
+                return self._collect_rollout(stop_requested)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _collect_rollout(self, stop_requested) -> Rollout | None:
+        if self.needs_reset:
+            self._load_next_obs(self.envs.reset())
+            self.needs_reset = False
+        self.finished_games = []
+        truncations = []
+        for t in range(self.config.num_steps):
+            if stop_requested():
+                return None
+            started = time.perf_counter()
+            self.obs[t] = self.next_obs
+            logits, values = self.model(self.obs[t])
+            policy = Categorical(logits=logits, validate_args=False)
+            actions = policy.sample()
+            self.actions[t], self.log_probs[t], self.values[t] = actions, policy.log_prob(actions), values
+            actions = actions.cpu().numpy()
+            stepped = time.perf_counter()
+            self.timings["inference"] += stepped - started
+            step = self.envs.step(actions)
+            self.timings["env"] += time.perf_counter() - stepped
+            self.rewards[t] = torch.from_numpy(step.rewards).to(self.device)
+            self.terminated[t] = torch.from_numpy(step.terminated).to(self.device)
+            self.truncated[t] = torch.from_numpy(step.truncated).to(self.device)
+            for env in np.flatnonzero(step.truncated):
+                truncations.append((t, int(env), torch.from_numpy(step.final_obs[env].copy())))
+            self.finished_games += step.finished_games
+            self._load_next_obs(step.obs)
+        # Counted only for a whole rollout: one cut short by a stop request is discarded.
+        self.global_step += self.config.num_steps * self.envs.num_envs
+
+        started = time.perf_counter()
+        # $V(s_{t+1})$ for every step: the next stored value, the value after the rollout for the
+        # last step, and the value of the final observation where a game was truncated.
+        self.next_values[:-1] = self.values[1:]
+        self.next_values[-1] = self.model(self.next_obs)[1]
+        if truncations:
+            final_obs = torch.stack([obs for _, _, obs in truncations]).to(self.device)
+            final_values = self.model(final_obs)[1]
+            for (t, env, _), value in zip(truncations, final_values):
+                self.next_values[t, env] = value
+        self.timings["inference"] += time.perf_counter() - started
+        return Rollout(self.obs, self.actions, self.log_probs, self.values, self.next_values,
+                       self.rewards, self.terminated, self.truncated)
+
+    def update_policy(self, rollout: Rollout) -> dict[str, float]:
+        """One PPO update on `rollout`, with the learning rate and clip range of `self.update`."""
+        config = self.config
+        started = time.perf_counter()
+        learning_rate = linear_schedule(config.learning_rate, self.update, config.num_updates)
+        clip_range = linear_schedule(config.clip_range, self.update, config.num_updates)
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate
+
+        with torch.no_grad():
+            advantages, returns = compute_gae(rollout.rewards, rollout.values, rollout.next_values,
+                                              rollout.terminated, rollout.truncated, config.gamma, config.gae_lambda)
+        # Flatten [steps, envs] into one batch of transitions.
+        obs = rollout.obs.flatten(0, 1)
+        actions, old_log_probs, old_values = (x.flatten() for x in (rollout.actions, rollout.log_probs, rollout.values))
+        advantages, returns = advantages.flatten(), returns.flatten()
+
+        history = []
+        stopped_early = False
+        for epoch in range(config.update_epochs):
+            order = torch.randperm(config.batch_size, device=self.device)
+            for start in range(0, config.batch_size, config.minibatch_size):
+                batch = order[start:start + config.minibatch_size]
+                # Gather the minibatch's frames into a buffer that keeps the channels-last layout.
+                torch.index_select(obs, 0, batch, out=self.minibatch_obs)
+                logits, values = self.model(self.minibatch_obs)
+                policy = Categorical(logits=logits, validate_args=False)
+                # Normalise advantages per minibatch: the scale of the gradient no longer depends on
+                # the scale of the rewards, and about half the actions are pushed up, half down.
+                batch_advantages = advantages[batch]
+                batch_advantages = (batch_advantages - batch_advantages.mean()) / (batch_advantages.std() + 1e-8)
+                terms = ppo_loss(policy.log_prob(actions[batch]), old_log_probs[batch], batch_advantages,
+                                 values, old_values[batch], returns[batch], policy.entropy(),
+                                 clip_range, config.vf_coef, config.ent_coef)
+                if config.target_kl is not None and terms.approx_kl.item() > config.target_kl:
+                    stopped_early = True
+                    break
+                self.optimizer.zero_grad(set_to_none=True)
+                terms.loss.backward()
+                grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
+                if not torch.isfinite(grad_norm):
+                    raise NonFiniteError(f"the loss or its gradient became {grad_norm.item()} at update "
+                                         f"{self.update + 1} (epoch {epoch + 1}); no step was taken")
+                self.optimizer.step()
+                history.append(torch.stack([t.detach() for t in terms]))
+            if stopped_early:
+                break
+        self.update += 1
+        means = torch.stack(history).mean(0).tolist() if history else [float("nan")] * len(LossTerms._fields)
+        stats = dict(zip(LossTerms._fields, means))
+        stats.update(learning_rate=learning_rate, clip_range=clip_range,
+                     explained_variance=explained_variance(old_values, returns),
+                     epochs=epoch + 1, stopped_early=float(stopped_early))
+        self.timings["update"] += time.perf_counter() - started
+        return stats
+
+    # ### Checkpoints
+    #
+    # A checkpoint holds all the state of training: the model, Adam's moments, the counters, the
+    # random state and the configuration. The games themselves restart on resume; their emulator
+    # state is not saved.
+
+    def state_dict(self) -> dict:
+        return {"format": CHECKPOINT_FORMAT, "config": dataclasses.asdict(self.config), "n_actions": self.envs.n_actions,
+                "update": self.update, "global_step": self.global_step,
+                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []}
+
+    def load_state_dict(self, checkpoint: dict) -> None:
+        self.model.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.update, self.global_step = checkpoint["update"], checkpoint["global_step"]
+        torch.set_rng_state(checkpoint["torch_rng"])
+        if self.device.type == "cuda" and checkpoint["cuda_rng"]:
+            torch.cuda.set_rng_state_all(checkpoint["cuda_rng"])
+
+
+CHECKPOINT_FORMAT = "ppo_atari/1"
+
+
+def save_checkpoint(state: dict, path: Path) -> None:
+    """Write `state` to `path` atomically: to a temporary file first, then renamed over it."""
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def load_checkpoint(path: str) -> dict:
+    """Read a checkpoint of this script (tensors and plain data only), or raise a `ConfigError`."""
+    if not Path(path).is_file():
+        raise ConfigError(f"checkpoint {path} does not exist")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises many kinds for a damaged file
+        raise ConfigError(f"cannot read checkpoint {path}: the file is damaged or not a checkpoint "
+                          f"({type(error).__name__})") from None
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
+        raise ConfigError(f"{path} is not a ppo_atari.py checkpoint")
+    return checkpoint
+
+
+def restore_model(model: nn.Module, checkpoint: dict, path: str) -> None:
+    try:
+        model.load_state_dict(checkpoint["model"])
+    except RuntimeError as error:
+        first = str(error).strip().splitlines()
+        raise ConfigError(f"checkpoint {path} holds a different network: {' '.join(first[1:2] or first)}") from None
+
+
+# ### Logging and stopping
+
+
+class Progress:
+    """One line on the terminal: steps done, speed, time left, recent scores."""
+
+    def __init__(self, total: int, start_step: int):
+        self.total, self.start_step = total, start_step
+        self.started = self.last_print = time.perf_counter()
+        self.scores: deque[float] = deque(maxlen=20)
+        self.interactive = sys.stderr.isatty()
+
+    def steps_per_second(self, step: int) -> float:
+        return (step - self.start_step) / max(time.perf_counter() - self.started, 1e-9)
+
+    def show(self, step: int, final: bool = False) -> None:
+        now = time.perf_counter()
+        if not (self.interactive or final or now - self.last_print >= 10.0):
+            return
+        self.last_print = now
+        sps = self.steps_per_second(step)
+        left = (self.total - step) / sps if sps > 0 else float("inf")
+        score = f"{np.mean(self.scores):.1f} (last {len(self.scores)} games)" if self.scores else "-"
+        line = (f"step {step:,}/{self.total:,} ({100 * step / self.total:.1f}%) | {sps:,.0f} SPS | "
+                f"{format_duration(left)} left | score {score}")
+        end = "\n" if final or not self.interactive else ""
+        print(("\r\033[K" if self.interactive else "") + line, end=end, file=sys.stderr, flush=True)
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+
+
+class StopRequest:
+    """Turns Ctrl-C (SIGINT) and SIGTERM into a request to stop at the next safe point.
+
+    Training then saves a checkpoint and exits. A second Ctrl-C interrupts at once.
+    """
+
+    def __init__(self):
+        self.signal: int | None = None
+
+    def __call__(self) -> bool:
+        return self.signal is not None
+
+    def __enter__(self) -> StopRequest:
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        self.signal = signum
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
+              "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def hyperparameter_table(config: Config, env_id: str) -> str:
+    rows = [f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items()]
+    return "|parameter|value|\n|-|-|\n" + "\n".join([f"|env_id|{env_id}|"] + rows)
+
+
+def seed_everything(seed: int) -> None:
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def game_options(config: Config) -> dict:
+    return dict(sticky_actions=config.sticky_actions, life_loss=config.life_loss, noop_max=config.noop_max,
+                frame_skip=config.frame_skip, max_episode_frames=config.max_episode_frames)
+
+
+def default_run_dir(config: Config, env_id: str) -> Path:
+    return Path("runs") / f"{gym.spec(env_id).name}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def checkpoint_state(trainer: Trainer, env_id: str) -> dict:
+    """The trainer's state, marked with the game it plays, so that another game's run refuses it."""
+    return {**trainer.state_dict(), "game": game_name(env_id)}
+
+
+def train(config: Config, env_id: str, checkpoint: dict | None = None) -> int:
+    """Train, log and checkpoint; the exit status of the run."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    if checkpoint is not None:
+        run_dir = Path(config.run_dir or Path(config.resume).parent)
+    else:
+        run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config, env_id)
+        if (run_dir / "checkpoint.pt").exists():
+            raise ConfigError(f"{run_dir} already holds a checkpoint; resume it with --resume "
+                              f"{run_dir / 'checkpoint.pt'} or choose another --run-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = run_dir / "checkpoint.pt"
+    seed_everything(config.seed)
+    num_workers = config.num_workers or min(config.num_envs, len(os.sched_getaffinity(0))
+                                            if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    start_method = None if config.start_method == "default" else config.start_method
+    # The workers start before anything touches CUDA or starts a thread (TensorBoard's writer does),
+    # so that forking them is safe.
+    with Workers(env_id, config.num_envs, num_workers, config.seed, game_options(config), start_method) as envs:
+        device = choose_device(config.device)
+        bf16 = use_bf16(config.precision, device)
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+            torch.backends.cudnn.benchmark = True
+        trainer = Trainer(config, envs, device, bf16=bf16)
+        if checkpoint is not None:
+            restore_model(trainer.model, checkpoint, config.resume)
+            trainer.load_state_dict(checkpoint)
+        writer = SummaryWriter(str(run_dir))
+        if checkpoint is None:
+            writer.add_text("hyperparameters", hyperparameter_table(config, env_id))
+        print(f"{env_id}: training on {device} ({'bfloat16' if bf16 else 'float32'} torso), "
+              f"{config.num_envs} games in {num_workers} workers; logs and checkpoints in {run_dir}",
+              file=sys.stderr)
+        progress = Progress(config.total_timesteps, trainer.global_step)
+        try:
+            with StopRequest() as stop:
+                while trainer.update < config.num_updates:
+                    iteration_started = dict(trainer.timings)
+                    rollout = trainer.collect_rollout(stop)
+                    if rollout is None:
+                        break
+                    stats = trainer.update_policy(rollout)
+                    log_update(writer, trainer, stats, progress, iteration_started)
+                    if trainer.update % config.checkpoint_every == 0:
+                        save_checkpoint(checkpoint_state(trainer, env_id), checkpoint_path)
+                    if stop():
+                        break
+            save_checkpoint(checkpoint_state(trainer, env_id), checkpoint_path)
+            progress.show(trainer.global_step, final=True)
+            if stop():
+                print(f"stopped at update {trainer.update}; resume with --resume {checkpoint_path}", file=sys.stderr)
+                return 128 + stop.signal
+            print(f"done: {trainer.global_step:,} steps; checkpoint in {checkpoint_path}", file=sys.stderr)
+            return 0
+        except WorkerError as error:
+            # The model is whole (the update had not begun), so save it before reporting.
+            save_checkpoint(checkpoint_state(trainer, env_id), checkpoint_path)
+            print(f"\n{error}\ncheckpoint of update {trainer.update} saved in {checkpoint_path}", file=sys.stderr)
+            return 1
+        except NonFiniteError as error:
+            kept = f"the last good checkpoint is {checkpoint_path}" if checkpoint_path.exists() else "no checkpoint was written"
+            print(f"\n{error}; {kept}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print(f"\naborted; the last checkpoint written is in {checkpoint_path}", file=sys.stderr)
+            return 130
+        finally:
+            writer.close()
+
+
+def log_update(writer, trainer: Trainer, stats: dict, progress: Progress, timings_before: dict) -> None:
+    step = trainer.global_step
+    for _, score, length in trainer.finished_games:
+        writer.add_scalar("charts/episodic_return", score, step)
+        writer.add_scalar("charts/episodic_length", length, step)
+        progress.scores.append(score)
+    writer.add_scalar("charts/learning_rate", stats["learning_rate"], step)
+    writer.add_scalar("charts/clip_range", stats["clip_range"], step)
+    for name in ["policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance"]:
+        writer.add_scalar(f"losses/{name}", stats[name], step)
+    writer.add_scalar("charts/SPS", progress.steps_per_second(step), step)
+    for name, seconds in trainer.timings.items():
+        writer.add_scalar(f"perf/{name}_seconds", seconds - timings_before.get(name, 0.0), step)
+    progress.show(step)
+
+
+# ## Evaluation
+#
+# Evaluation plays whole games, several at once in this process, with the policy sampling its
+# actions as in training, and reports the real score of each game (all lives, unclipped).
+
+
+def evaluate(config: Config, env_id: str, checkpoint: dict) -> list[float]:
+    """Play `eval_episodes` games with the checkpoint's policy; their scores."""
+    device = choose_device(config.device)
+    seeds = game_seeds(config.seed + 1_000_003, config.eval_episodes)  # games unlike the training ones
+    games = [Game(env_id, seed, **game_options(config)) for seed in seeds]
+    model = ActorCritic(games[0].n_actions, bf16=use_bf16(config.precision, device)).to(device)
+    restore_model(model, checkpoint, config.eval)
+    model.eval()
+    torch.manual_seed(config.seed)
+    videos = []
+    if config.capture_video:
+        video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
+        video_dir.mkdir(parents=True, exist_ok=True)
+        for index, game in enumerate(games):
+            height, width = game.ale.getScreenDims()
+            path = video_dir / f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4"
+            # 60 frames a second divided by the frame skip: the video plays in real time.
+            video = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 60 / config.frame_skip,
+                                    (2 * width, 2 * height))
+            if not video.isOpened():
+                raise ConfigError(f"OpenCV cannot write {path}")
+            videos.append(video)
+    scores = [0.0] * len(games)
+    playing = list(range(len(games)))
+    for game in games:
+        game.reset()
+    with torch.inference_mode():
+        while playing:
+            obs = torch.from_numpy(np.stack([games[i].obs for i in playing])).to(device)
+            actions = Categorical(logits=model(obs)[0], validate_args=False).sample().tolist()
+            still_playing = []
+            for i, action in zip(playing, actions):
+                step = games[i].step(action)
+                if videos:
+                    frame = cv2.cvtColor(games[i].render(), cv2.COLOR_RGB2BGR)
+                    videos[i].write(cv2.resize(frame, None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST))
+                if step.game_over:
+                    scores[i] = step.score
+                    if videos:
+                        videos[i].release()
+                else:
+                    still_playing.append(i)
+            playing = still_playing
+    if videos:
+        print(f"videos in {video_dir}", file=sys.stderr)
+    return scores
+
+
+# ## The command line
+
+
+def parse_config(argv: list[str] | None) -> tuple[Config, dict | None]:
+    """The configuration of this invocation and the checkpoint it names, if any.
+
+    A resumed or evaluated run starts from the checkpoint's hyperparameters; flags given on the
+    command line override them (to extend `--total-timesteps`, say).
+    """
+    given = vars(build_parser().parse_args(argv))
+    checkpoint = None
+    base = {}
+    path = given.get("resume") or given.get("eval")
+    if path is not None and not (given.get("resume") and given.get("eval")):
+        checkpoint = load_checkpoint(path)
+        fields = {f.name for f in dataclasses.fields(Config)}
+        base = {k: v for k, v in checkpoint["config"].items() if k in fields and k not in RUN_OPTIONS}
+    config = Config(**{**base, **given})
+    check_config(config)
+    if config.resume is not None:
+        saved = checkpoint["config"]
+        if saved["num_envs"] * saved["num_steps"] != config.batch_size:
+            raise ConfigError(f"a resumed run keeps its batch of {saved['num_envs'] * saved['num_steps']} "
+                              f"transitions (--num-envs x --num-steps)")
+    return config, checkpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "ppo_atari.py"
+    try:
+        config, checkpoint = parse_config(argv)
+        env_id = resolve_env_id(config.env)
+        if checkpoint is not None and checkpoint["game"] != game_name(env_id):
+            raise ConfigError(f"checkpoint {config.resume or config.eval} was trained on {checkpoint['game']}, "
+                              f"not {game_name(env_id)}")
+        if config.eval is not None:
+            scores = evaluate(config, env_id, checkpoint)
+            print(f"{env_id}: {len(scores)} games, score {np.mean(scores):.1f} ± {np.std(scores):.1f} "
+                  f"(min {min(scores):g}, max {max(scores):g})")
+            return 0
+        return train(config, env_id, checkpoint)
+    except ConfigError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
