@@ -1,0 +1,165 @@
+"""Throughput of ppo_atari.py, measured two ways in one run.
+
+(a) Environment only: agent steps per second of the script's `Workers` (Python processes, frames in
+    shared memory) against ale-py's own C++ `AtariVectorEnv` with the same number of games and the
+    same preprocessing, both driven with random actions. The two alternate, `--repeats` times, and
+    the medians are compared, so that a noisy neighbour on a shared machine hits both alike.
+
+(b) Training: agent steps per second of the real trainer with the default hyperparameters, with
+    the time of an iteration split into env stepping, inference (sampling actions and values) and
+    the update, for each precision asked for.
+
+    python benchmarks/throughput.py                   # both parts, Breakout, 8 games
+    python benchmarks/throughput.py --part train --num-envs 32 --device cuda
+
+Timings are never asserted in tests; this script is where they are measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import ppo_atari  # noqa: E402  (the script is the thing measured)
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def time_steps(step, num_envs: int, n_actions: int, steps: int, rng: np.random.Generator) -> float:
+    """Agent steps per second of `step(actions)` over `steps` calls with random actions."""
+    actions = rng.integers(0, n_actions, size=(steps, num_envs))
+    started = time.perf_counter()
+    for row in actions:
+        step(row)
+    return steps * num_envs / (time.perf_counter() - started)
+
+
+def env_throughput(env_id: str, num_envs: int, num_workers: int, steps: int, repeats: int) -> dict:
+    import ale_py
+
+    config = ppo_atari.Config()
+    rng = np.random.default_rng(0)
+
+    def ours():
+        return ppo_atari.Workers(env_id, num_envs, num_workers, seed=1, game_options=ppo_atari.game_options(config))
+
+    def theirs(**protocol):
+        # The script's protocol: 4-frame skip with max-pooling, 84 x 84 grey, 4 frames stacked, up
+        # to 30 no-ops, FIRE on reset, clipped rewards, no sticky actions, the 108,000-frame cap and
+        # same-step auto-reset.
+        return ale_py.AtariVectorEnv(
+            ppo_atari.game_name(env_id), num_envs=num_envs, frameskip=config.frame_skip, noop_max=config.noop_max,
+            repeat_action_probability=0.0, max_num_frames_per_episode=config.max_episode_frames,
+            img_height=84, img_width=84, grayscale=True, stack_num=4, maxpool=True, reward_clipping=True,
+            use_fire_reset=True, autoreset_mode="SameStep", **protocol)
+
+    def measure(make) -> float:
+        # Each env runs alone: the vector env's C++ threads wait for work by spinning, which would
+        # steal the cores of the other side if both were alive at once.
+        env = make()
+        try:
+            if isinstance(env, ppo_atari.Workers):
+                env.reset()
+                n_actions = env.n_actions
+            else:
+                env.reset(seed=1)
+                n_actions = env.single_action_space.n
+            time_steps(env.step, num_envs, n_actions, 100, rng)  # warm-up
+            return time_steps(env.step, num_envs, n_actions, steps, rng)
+        finally:
+            env.close()
+
+    # ale-py's `episodic_life=True` is much slower than its default (it plays extra frames at each
+    # lost life), so the comparison is made against its fastest setting as well as the equal one.
+    runs = {"workers": [], "vector_env": [], "vector_env_episodic_life": []}
+    makers = {"workers": ours, "vector_env": theirs,
+              "vector_env_episodic_life": lambda: theirs(episodic_life=True)}
+    for _ in range(repeats):
+        for name, make in makers.items():
+            runs[name].append(measure(make))
+    medians = {name: statistics.median(values) for name, values in runs.items()}
+    return {"num_envs": num_envs, "num_workers": num_workers, **{f"{k}_sps": v for k, v in medians.items()},
+            "ratio": medians["workers"] / medians["vector_env"], "runs": runs}
+
+
+def train_throughput(env_id: str, num_envs: int, num_workers: int, device: torch.device, bf16: bool,
+                     iterations: int, warmup: int) -> dict:
+    config = ppo_atari.Config(env=env_id, num_envs=num_envs)
+    torch.manual_seed(1)
+    with ppo_atari.Workers(env_id, num_envs, num_workers, seed=1,
+                           game_options=ppo_atari.game_options(config)) as envs:
+        trainer = ppo_atari.Trainer(config, envs, device, bf16=bf16)
+        per_iteration, splits = [], []
+        for iteration in range(warmup + iterations):
+            before = dict(trainer.timings)
+            started = time.perf_counter()
+            trainer.update_policy(trainer.collect_rollout())
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if iteration >= warmup:
+                per_iteration.append(time.perf_counter() - started)
+                splits.append({k: trainer.timings[k] - before[k] for k in trainer.timings})
+    median_seconds = statistics.median(per_iteration)
+    return {"device": str(device), "precision": "bf16" if bf16 else "fp32", "num_envs": num_envs,
+            "num_workers": num_workers, "sps": config.batch_size / median_seconds,
+            "seconds_per_iteration": median_seconds,
+            **{f"{k}_seconds": statistics.median(s[k] for s in splits) for k in splits[0]}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--env", default="Breakout")
+    parser.add_argument("--part", choices=["env", "train", "all"], default="all")
+    parser.add_argument("--num-envs", type=int, default=8)
+    parser.add_argument("--num-workers", type=int, default=0, help="0: one per CPU core, at most one per game")
+    parser.add_argument("--steps", type=int, default=2000, help="env steps per timed env run")
+    parser.add_argument("--repeats", type=int, default=5, help="timed env runs of each kind")
+    parser.add_argument("--iterations", type=int, default=10, help="timed training iterations")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed training iterations first")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "both"], default="both")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    env_id = ppo_atari.resolve_env_id(args.env)
+    num_workers = args.num_workers or min(args.num_envs, cpu_count())
+    results = {"cpu_count": cpu_count(), "torch": torch.__version__, "env_id": env_id}
+    if args.part in ("env", "all"):
+        env = env_throughput(env_id, args.num_envs, num_workers, args.steps, args.repeats)
+        results["env"] = env
+        print(f"(a) env only, {env_id}, {args.num_envs} games, {cpu_count()} cores, median of {args.repeats} runs "
+              f"of {args.steps} steps")
+        print(f"    ppo_atari Workers ({num_workers} processes):            {env['workers_sps']:8,.0f} agent steps/s")
+        print(f"    ale_py AtariVectorEnv (C++ threads):            {env['vector_env_sps']:8,.0f} agent steps/s")
+        print(f"    ale_py AtariVectorEnv, episodic_life=True:      {env['vector_env_episodic_life_sps']:8,.0f} agent steps/s")
+        print(f"    ratio, Workers / AtariVectorEnv (its fastest): {env['ratio']:.2f}")
+    if args.part in ("train", "all"):
+        device = ppo_atari.choose_device(args.device)
+        precisions = {"both": ["fp32", "bf16"], "auto": [None]}.get(args.precision, [args.precision])
+        results["train"] = []
+        print(f"(b) training, {env_id}, {args.num_envs} games x 128 steps, {num_workers} workers, {device}, "
+              f"median of {args.iterations} iterations")
+        for precision in precisions:
+            bf16 = ppo_atari.use_bf16("auto", device) if precision is None else precision == "bf16"
+            run = train_throughput(env_id, args.num_envs, num_workers, device, bf16, args.iterations, args.warmup)
+            results["train"].append(run)
+            print(f"    {run['precision']}: {run['sps']:6,.0f} SPS | per iteration {run['seconds_per_iteration']:.3f} s"
+                  f" = env {run['env_seconds']:.3f} + inference {run['inference_seconds']:.3f}"
+                  f" + update {run['update_seconds']:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
