@@ -1,0 +1,209 @@
+"""ppo_atari.py through its command line, as a user runs it."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import cv2
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import ppo_atari
+from conftest import ROOT
+
+SCRIPT = str(ROOT / "ppo_atari.py")
+TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate",
+        "charts/clip_range", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl",
+        "losses/clipfrac", "losses/explained_variance"]
+
+
+def run(*args, timeout=300):
+    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True, text=True,
+                           timeout=timeout, cwd=ROOT)
+
+
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 4,096-step Breakout run: four updates of 8 games x 128 steps, checkpoints every two."""
+    run_dir = tmp_path_factory.mktemp("runs") / "breakout"
+    result = run("--env", "Breakout", "--total-timesteps", 4096, "--seed", 3, "--checkpoint-every", 2,
+                 "--run-dir", run_dir)
+    assert result.returncode == 0, result.stderr
+    return run_dir, result
+
+
+def test_training_leaves_tensorboard_tags_and_a_checkpoint(trained):
+    run_dir, result = trained
+    logged = scalars(run_dir)
+    for tag in TAGS:
+        assert tag in logged, tag
+    assert [step for step, _ in logged["losses/policy_loss"]] == [1024, 2048, 3072, 4096]
+    # Real scores of whole games, not clipped per-life rewards: Breakout games last over 100 steps.
+    assert all(length > 100 for _, length in logged["charts/episodic_length"])
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    assert "hyperparameters/text_summary" in events.Tags()["tensors"]
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert checkpoint["update"] == 4 and checkpoint["global_step"] == 4096 and checkpoint["game"] == "breakout"
+    assert checkpoint["config"]["seed"] == 3
+    assert not list(run_dir.glob("*.tmp"))
+    assert "step 4,096/4,096" in result.stderr and "SPS" in result.stderr
+
+
+def test_same_seed_same_losses(trained, tmp_path):
+    run_dir, _ = trained
+    result = run("--env", "Breakout", "--total-timesteps", 4096, "--seed", 3, "--run-dir", tmp_path / "again")
+    assert result.returncode == 0, result.stderr
+    first, second = scalars(run_dir), scalars(tmp_path / "again")
+    for tag in ["losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl",
+                "charts/episodic_return"]:
+        assert first[tag] == second[tag], tag
+
+
+def test_resume_continues_on_schedule(trained, tmp_path):
+    run_dir, _ = trained
+    resumed_dir = tmp_path / "resumed"
+    # Extending the run: the checkpoint's hyperparameters, with a longer budget from the command line.
+    result = run("--resume", run_dir / "checkpoint.pt", "--total-timesteps", 6144, "--run-dir", resumed_dir)
+    assert result.returncode == 0, result.stderr
+    logged = scalars(resumed_dir)
+    rates = dict(logged["charts/learning_rate"])
+    assert sorted(rates) == [5120, 6144]  # updates 5 and 6 of 6
+    assert rates[5120] == pytest.approx(2.5e-4 * (1 - 4 / 6))
+    assert rates[6144] == pytest.approx(2.5e-4 * (1 - 5 / 6))
+    assert dict(logged["charts/clip_range"])[6144] == pytest.approx(0.1 * (1 - 5 / 6))
+    checkpoint = torch.load(resumed_dir / "checkpoint.pt", weights_only=True)
+    assert checkpoint["update"] == 6 and checkpoint["config"]["total_timesteps"] == 6144
+
+
+def test_eval_plays_whole_games_and_writes_videos(trained, tmp_path):
+    run_dir, _ = trained
+    result = run("--eval", run_dir / "checkpoint.pt", "--eval-episodes", 2, "--max-episode-frames", 1500,
+                 "--capture-video", "--run-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "ALE/Breakout-v5: 2 games, score" in result.stdout and "±" in result.stdout
+    videos = sorted((tmp_path / "videos").glob("*.mp4"))
+    assert len(videos) == 2
+    capture = cv2.VideoCapture(str(videos[0]))
+    ok, frame = capture.read()
+    assert ok and frame.shape == (420, 320, 3) and frame.max() > 0
+    assert capture.get(cv2.CAP_PROP_FRAME_COUNT) > 10
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--env", "Breakot"], "unknown Atari game 'Breakot'; did you mean Breakout"),
+    (["--num-minibatches", "3"], "does not split into 3 minibatches"),
+    (["--num-steps", "-5"], "--num-steps must be positive"),
+    (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
+    (["--total-timesteps", "lots"], "invalid integer value: 'lots'"),
+    (["--total-timesteps", "100"], "less than one batch"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--device", "tpu"], "invalid choice: 'tpu'"),
+    (["--capture-video"], "use it with --eval"),
+    (["--eval", "missing.pt"], "checkpoint missing.pt does not exist"),
+    (["--eval", "a.pt", "--resume", "b.pt"], "cannot be used together"),
+])
+def test_bad_input_exits_2_with_one_line(args, message):
+    result = run(*args, timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("ppo_atari.py: error:"), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def one_line_error(result, message):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_damaged_and_foreign_checkpoints_exit_2(trained, tmp_path):
+    run_dir, _ = trained
+    damaged = tmp_path / "damaged.pt"
+    damaged.write_bytes((run_dir / "checkpoint.pt").read_bytes()[:5000])
+    one_line_error(run("--eval", damaged), "the file is damaged or not a checkpoint")
+    not_ours = tmp_path / "weights.pt"
+    torch.save({"model": {}}, not_ours)
+    one_line_error(run("--eval", not_ours), "is not a ppo_atari.py checkpoint")
+    one_line_error(run("--eval", run_dir / "checkpoint.pt", "--env", "Pong"), "was trained on breakout, not pong")
+    other_network = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    other_network["model"]["policy.weight"] = torch.zeros(6, 512)
+    other_network["model"]["policy.bias"] = torch.zeros(6)
+    torch.save(other_network, tmp_path / "other.pt")
+    one_line_error(run("--eval", tmp_path / "other.pt"), "holds a different network")
+    one_line_error(run("--resume", run_dir / "checkpoint.pt", "--num-envs", 4), "keeps its batch of 1024")
+    one_line_error(run("--run-dir", run_dir), "already holds a checkpoint")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_exits_2(tmp_path):
+    one_line_error(run("--device", "cuda", "--run-dir", tmp_path, "--total-timesteps", 1024), "no CUDA device")
+
+
+def children_of(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[1]) == pid:
+                children.append(int(entry.name))
+    return children
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_ctrl_c_saves_a_checkpoint_and_leaves_no_process(tmp_path):
+    process = subprocess.Popen([sys.executable, SCRIPT, "--total-timesteps", "10000000", "--run-dir", str(tmp_path)],
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        for line in process.stderr:
+            if "training on" in line:
+                break
+        time.sleep(3)
+        workers = children_of(process.pid)
+        assert len(workers) >= 1
+        process.send_signal(signal.SIGINT)
+        _, errors = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130, errors
+    assert "stopped at update" in errors and "Traceback" not in errors
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert checkpoint["global_step"] == checkpoint["update"] * 1024
+    time.sleep(0.5)
+    assert not [pid for pid in workers if alive(pid)]
+
+
+def test_a_nan_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    real_update = ppo_atari.Trainer.update_policy
+
+    def update_that_fails_third(self, rollout):
+        if self.update == 2:
+            raise ppo_atari.NonFiniteError("the loss or its gradient became nan at update 3 (epoch 1); no step was taken")
+        return real_update(self, rollout)
+
+    monkeypatch.setattr(ppo_atari.Trainer, "update_policy", update_that_fails_third)
+    status = ppo_atari.main(["--total-timesteps", "8192", "--checkpoint-every", "2", "--run-dir", str(tmp_path),
+                             "--num-envs", "4", "--num-steps", "64"])
+    assert status == 1
+    assert "nan at update 3" in capsys.readouterr().err
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] == 2

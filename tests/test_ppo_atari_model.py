@@ -1,0 +1,153 @@
+"""The network and the trainer's plumbing in ppo_atari.py."""
+
+import math
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import ppo_atari
+
+
+def test_initialisation_gains():
+    model = ppo_atari.ActorCritic(n_actions=6)
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    gains = {id(model.policy): 0.01, id(model.value): 1.0}
+    assert len(layers) == 6
+    for layer in layers:
+        gain = gains.get(id(layer), math.sqrt(2))
+        weight = layer.weight.detach().flatten(1)
+        # An orthogonal matrix times the gain: its rows (or columns, if fewer) are orthogonal with norm `gain`.
+        gram = weight @ weight.T if weight.shape[0] <= weight.shape[1] else weight.T @ weight
+        torch.testing.assert_close(gram, gain ** 2 * torch.eye(gram.shape[0]), atol=1e-5, rtol=1e-4)
+        assert torch.count_nonzero(layer.bias) == 0
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_forward_takes_bytes_and_gives_float_heads(bf16):
+    model = ppo_atari.ActorCritic(n_actions=4, bf16=bf16)
+    frames = torch.randint(0, 256, (3, 4, 84, 84), dtype=torch.uint8)
+    logits, values = model(frames)
+    assert logits.shape == (3, 4) and values.shape == (3,)
+    assert logits.dtype == values.dtype == torch.float32
+    # The first policy is nearly uniform: gain 0.01 on the policy head.
+    probabilities = torch.softmax(logits, -1)
+    torch.testing.assert_close(probabilities, torch.full_like(probabilities, 0.25), atol=0.02, rtol=0)
+
+
+def test_bytes_are_scaled_to_unit_range():
+    model = ppo_atari.ActorCritic(n_actions=4)
+    frames = torch.randint(0, 256, (2, 4, 84, 84), dtype=torch.uint8)
+    first_conv = model.torso[0]
+    expected = first_conv(frames.float() / 255.0)
+    seen = {}
+
+    def keep(module, inputs, output):
+        seen["out"] = output.clone()  # a copy: the ReLU after the convolution works in place
+
+    first_conv.register_forward_hook(keep)
+    model(frames)
+    torch.testing.assert_close(seen["out"], expected, atol=1e-5, rtol=1e-5)
+
+
+class ScriptedEnv:
+    """A vector env whose episodes end where the test says, with recognisable frames."""
+
+    def __init__(self, num_envs=2, truncate_at=None, n_actions=3):
+        self.num_envs, self.n_actions = num_envs, n_actions
+        self.t = 0
+        self.truncate_at = truncate_at or {}
+        self.obs = np.zeros((num_envs, 4, 84, 84), np.uint8)
+        self.final_obs = np.zeros_like(self.obs)
+
+    def reset(self):
+        self.obs[:] = 0
+        return self.obs
+
+    def step(self, actions):
+        self.t += 1
+        self.obs[:] = self.t  # each step's frames are filled with the step number
+        truncated = np.zeros(self.num_envs, bool)
+        finished = []
+        for env, when in self.truncate_at.items():
+            if self.t == when:
+                truncated[env] = True
+                self.final_obs[env] = 200  # the final frame, unlike any other
+                finished.append((env, 0.0, when))
+        return ppo_atari.VecStep(self.obs, np.ones(self.num_envs, np.float32), np.zeros(self.num_envs, bool),
+                                 truncated, self.final_obs, finished)
+
+
+def small_config(**overrides):
+    return ppo_atari.Config(**{**dict(num_envs=2, num_steps=6, num_minibatches=2, update_epochs=2,
+                                      total_timesteps=120), **overrides})
+
+
+def test_a_truncated_step_bootstraps_from_its_final_observation():
+    torch.manual_seed(0)
+    env = ScriptedEnv(truncate_at={1: 3})
+    trainer = ppo_atari.Trainer(small_config(), env, torch.device("cpu"))
+    rollout = trainer.collect_rollout()
+    model = trainer.model
+    with torch.no_grad():
+        final_value = model(torch.full((1, 4, 84, 84), 200, dtype=torch.uint8))[1].item()
+        after_value = model(torch.full((1, 4, 84, 84), 6, dtype=torch.uint8))[1].item()
+    # Step index 2 (the third step) truncated game 1: its next value is V(final obs), not V of the
+    # observation the env returned (the start of the next game).
+    assert rollout.next_values[2, 1].item() == pytest.approx(final_value, rel=1e-5)
+    assert rollout.next_values[2, 0].item() == pytest.approx(rollout.values[3, 0].item(), rel=1e-5)
+    # The last step bootstraps from the observation after the rollout.
+    assert rollout.next_values[-1, 0].item() == pytest.approx(after_value, rel=1e-5)
+    assert rollout.truncated[2, 1] == 1 and rollout.truncated.sum() == 1
+    assert trainer.finished_games == [(1, 0.0, 3)]
+    # Observations are stored as the frames the env returned before each step.
+    assert [int(rollout.obs[t, 0, 0, 0, 0]) for t in range(6)] == [0, 1, 2, 3, 4, 5]
+
+
+def test_update_follows_the_schedule_and_resumes_on_it():
+    torch.manual_seed(0)
+    config = small_config(learning_rate=1e-3, clip_range=0.2)  # 10 updates in all
+    trainer = ppo_atari.Trainer(config, ScriptedEnv(), torch.device("cpu"))
+    first = trainer.update_policy(trainer.collect_rollout())
+    assert first["learning_rate"] == pytest.approx(1e-3) and first["clip_range"] == pytest.approx(0.2)
+    for _ in range(4):
+        stats = trainer.update_policy(trainer.collect_rollout())
+    assert stats["learning_rate"] == pytest.approx(1e-3 * (1 - 4 / 10))  # the fifth update, halfway less one
+
+    buffer = io.BytesIO()
+    torch.save(trainer.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = ppo_atari.Trainer(config, ScriptedEnv(), torch.device("cpu"))
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    assert resumed.update == 5 and resumed.global_step == 5 * config.batch_size
+    for name, tensor in trainer.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[name], tensor, rtol=0, atol=0)
+    stats = resumed.update_policy(resumed.collect_rollout())
+    assert stats["learning_rate"] == pytest.approx(1e-3 * 0.5) and stats["clip_range"] == pytest.approx(0.1)
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5)
+    for _ in range(4):
+        stats = resumed.update_policy(resumed.collect_rollout())
+    assert stats["learning_rate"] == pytest.approx(1e-3 / 10)  # the last update
+
+
+def test_a_nan_stops_the_update_and_names_it():
+    torch.manual_seed(0)
+    trainer = ppo_atari.Trainer(small_config(), ScriptedEnv(), torch.device("cpu"))
+    trainer.update_policy(trainer.collect_rollout())
+    rollout = trainer.collect_rollout()
+    with torch.no_grad():
+        trainer.model.value.weight[0, 0] = float("nan")
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(ppo_atari.NonFiniteError, match="update 2"):
+        trainer.update_policy(rollout)
+    for name, tensor in trainer.model.state_dict().items():
+        torch.testing.assert_close(tensor, before[name], equal_nan=True, rtol=0, atol=0)  # no step was taken
+
+
+def test_target_kl_stops_the_update_early():
+    torch.manual_seed(0)
+    config = small_config(learning_rate=0.05, target_kl=1e-6, update_epochs=8)
+    trainer = ppo_atari.Trainer(config, ScriptedEnv(), torch.device("cpu"))
+    stats = trainer.update_policy(trainer.collect_rollout())
+    assert stats["stopped_early"] == 1.0 and stats["epochs"] < 8
