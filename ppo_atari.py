@@ -736,8 +736,9 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.
     the advantage is the exponentially weighted sum of the TD errors that follow, cut where the
     episode ends:
 
-    $$\hat A_t = \delta_t + \gamma \lambda (1 - \mathrm{done}_t) \hat A_{t+1},
-      \qquad \mathrm{done}_t = \mathrm{terminated}_t \lor \mathrm{truncated}_t .$$
+    $$\hat A_t = \delta_t + \gamma \lambda (1 - \mathrm{done}_t) \hat A_{t+1},$$
+
+    where $\mathrm{done}_t = \mathrm{terminated}_t \lor \mathrm{truncated}_t$.
 
     The returns that the value function regresses to are $\hat A_t + V(s_t)$, an estimate of the
     $\lambda$-return.
@@ -777,6 +778,9 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.
 
 
 class LossTerms(NamedTuple):
+    """What `ppo_loss` returns: the loss to minimise, then its three terms and two diagnostics for
+    the logs, each a scalar tensor."""
+
     loss: torch.Tensor
     policy_loss: torch.Tensor
     value_loss: torch.Tensor
@@ -802,7 +806,10 @@ def ppo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: t
 
     The value term clips the same way around the old prediction, as the reference implementation
     of the paper does (OpenAI baselines), and takes the larger error:
-    $L^V = \tfrac12 \mathbb{E}_t \max\left((V - R)^2, (V_\text{old} + \mathrm{clip}(V - V_\text{old}, -\epsilon, \epsilon) - R)^2\right)$.
+
+    $$L^V = \tfrac12 \mathbb{E}_t \max\left((V - R)^2,\;
+      (V_\text{old} + \mathrm{clip}(V - V_\text{old}, -\epsilon, \epsilon) - R)^2\right).$$
+
     The entropy bonus $S$ keeps the policy from collapsing early. In all,
     $L = L^\text{CLIP} + c_V L^V - c_S S$.
 
@@ -852,6 +859,12 @@ class NonFiniteError(RuntimeError):
 
 
 class Rollout(NamedTuple):
+    r"""One rollout as `update_policy` reads it: tensors on the device, indexed `[step, game]`.
+
+    `log_probs` and `values` are those of the policy that chose the actions, which the update
+    compares against; `next_values[t]` is $V(s_{t+1})$ as `compute_gae` defines it.
+    """
+
     obs: torch.Tensor             # [num_steps, num_envs, 4, 84, 84] uint8
     actions: torch.Tensor         # [num_steps, num_envs]
     log_probs: torch.Tensor
@@ -959,6 +972,10 @@ class Trainer:
         for t in range(self.config.num_steps):
             if stop_requested():
                 return None
+            # Step $t$: store $s_t$, sample $a_t \sim \pi_\theta(\cdot|s_t)$, and keep
+            # $\log \pi_\theta(a_t|s_t)$ and $V(s_t)$, the old policy's numbers that the update
+            # compares against. A game that ended was reset by its worker, so the frames that come
+            # back start the next game; a truncated game's last frames come apart, to be valued below.
             started = time.perf_counter()
             self.obs[t] = self.next_obs
             logits, values = self.model(self.obs[t])
@@ -1011,6 +1028,9 @@ class Trainer:
         actions, old_log_probs, old_values = (x.flatten() for x in (rollout.actions, rollout.log_probs, rollout.values))
         advantages, returns = advantages.flatten(), returns.flatten()
 
+        # `update_epochs` passes over the batch, each in a new random order, one step of Adam per
+        # minibatch. With `target_kl` set, the update ends at the first minibatch whose policy has
+        # already moved further than that from the one that sampled the data; its step is not taken.
         history = []
         stopped_early = False
         for epoch in range(config.update_epochs):
@@ -1100,6 +1120,8 @@ def load_checkpoint(path: str) -> dict:
 
 
 def restore_model(model: nn.Module, checkpoint: dict, path: str) -> None:
+    """Load the checkpoint's weights into `model`. A checkpoint of another network (one for a game
+    with another number of actions, say) is a `ConfigError`, one line rather than a traceback."""
     try:
         model.load_state_dict(checkpoint["model"])
     except RuntimeError as error:
@@ -1123,6 +1145,8 @@ class Progress:
         return (step - self.start_step) / max(time.perf_counter() - self.started, 1e-9)
 
     def show(self, step: int, final: bool = False) -> None:
+        """Redraw the line in place on a terminal. When stderr is a file, write a new line at most
+        every 10 seconds, and the final one, so that the log of a long run stays short."""
         now = time.perf_counter()
         if not (self.interactive or final or now - self.last_print >= 10.0):
             return
@@ -1173,6 +1197,7 @@ class StopRequest:
 
 
 def hyperparameter_table(config: Config, env_id: str) -> str:
+    """The run's settings as a Markdown table, the first text event of the run (as CleanRL writes it)."""
     rows = [f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items()]
     return "|parameter|value|\n|-|-|\n" + "\n".join([f"|env_id|{env_id}|"] + rows)
 
@@ -1233,6 +1258,10 @@ def train(config: Config, env_id: str, checkpoint: dict | None = None) -> int:
               f"{config.num_envs} games in {num_workers} workers; logs and checkpoints in {run_dir}",
               file=sys.stderr)
         progress = Progress(config.total_timesteps, trainer.global_step)
+        # The loop of training: sample a rollout, update on it, log, and write a checkpoint every
+        # `checkpoint_every` updates and at the end. Ctrl-C or SIGTERM asks it to stop at the next
+        # safe point, between two steps of the games (the unfinished rollout is dropped) or after an
+        # update; the checkpoint is then written and the exit status is 128 plus the signal's number.
         try:
             with StopRequest() as stop:
                 while trainer.update < config.num_updates:
@@ -1253,8 +1282,9 @@ def train(config: Config, env_id: str, checkpoint: dict | None = None) -> int:
                 return 128 + stop.signal
             print(f"done: {trainer.global_step:,} steps; checkpoint in {checkpoint_path}", file=sys.stderr)
             return 0
+        # A worker fails while the games are stepped, before the update begins: the model is whole,
+        # so it is saved before the failure is reported.
         except WorkerError as error:
-            # The model is whole (the update had not begun), so save it before reporting.
             save_checkpoint(checkpoint_state(trainer, env_id), checkpoint_path)
             print(f"\n{error}\ncheckpoint of update {trainer.update} saved in {checkpoint_path}", file=sys.stderr)
             return 1
@@ -1270,6 +1300,9 @@ def train(config: Config, env_id: str, checkpoint: dict | None = None) -> int:
 
 
 def log_update(writer, trainer: Trainer, stats: dict, progress: Progress, timings_before: dict) -> None:
+    """Write one update to TensorBoard under CleanRL's tag names, so that curves compare across
+    projects: the real scores of the games that ended, the schedules, the loss terms and the speed;
+    under `perf/`, the seconds this update spent stepping games, choosing actions and learning."""
     step = trainer.global_step
     for _, score, length in trainer.finished_games:
         writer.add_scalar("charts/episodic_return", score, step)
@@ -1367,6 +1400,8 @@ def parse_config(argv: list[str] | None) -> tuple[Config, dict | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Do what the command line asks: evaluate a checkpoint, or train, afresh or resumed. A mistake
+    in the input is one line on stderr and exit status 2; the other statuses are `train`'s."""
     prog = "ppo_atari.py"
     try:
         config, checkpoint = parse_config(argv)
