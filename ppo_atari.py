@@ -57,6 +57,7 @@ import traceback
 import typing
 from collections import deque
 from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
@@ -67,6 +68,7 @@ import cv2
 import gymnasium as gym
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributions import Categorical
 
@@ -562,14 +564,15 @@ class Workers:
     """
 
     def __init__(self, env_id: str, num_envs: int, num_workers: int, seed: int, game_options: dict,
-                 start_method: str | None = None):
+                 start_method: str | None = None, first_game: int = 0):
         context = mp.get_context(start_method)
         self.num_envs = num_envs
         blocks = shared_arrays(context, num_envs)
         self.arrays = numpy_views(blocks)
         self.processes: list[mp.process.BaseProcess] = []
         self.connections: list[Connection] = []
-        seeds = game_seeds(seed, num_envs)
+        # Games `first_game, first_game + 1, ...` of the run: each rank of a distributed run plays its own.
+        seeds = game_seeds(seed, first_game + num_envs)[first_game:]
         # Started with Ctrl-C ignored, so a Ctrl-C while they start (before they can ignore it
         # themselves) cannot reach them; the setting survives both fork and exec.
         in_main_thread = threading.current_thread() is threading.main_thread()
@@ -875,12 +878,15 @@ class Rollout(NamedTuple):
     truncated: torch.Tensor
 
 
-def choose_device(requested: str) -> torch.device:
+def choose_device(requested: str, local_rank: int = 0) -> torch.device:
+    """The device of this process: CUDA when asked for or available (one GPU per rank), else the CPU."""
     if requested == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for, but torch finds no CUDA device")
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(requested)
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -910,11 +916,15 @@ class Trainer:
     `Workers` above, or a small synthetic task in the tests.
     """
 
-    def __init__(self, config: Config, envs, device: torch.device, bf16: bool = False):
+    def __init__(self, config: Config, envs, device: torch.device, bf16: bool = False, ranks: Ranks | None = None):
         self.config = config
         self.envs = envs
         self.device = device
+        # One process, unless torchrun started several (see "Past one device" below).
+        self.ranks = ranks or Ranks()
+        self.num_updates = config.total_timesteps // (config.batch_size * self.ranks.size)
         self.model = ActorCritic(envs.n_actions, bf16=bf16).to(device)
+        self.ranks.broadcast_parameters(self.model)
         # Adam with eps 1e-5 rather than its default 1e-8, as in the PPO reference implementation;
         # the fused kernel updates all parameters in one pass instead of a dozen small ops each.
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate, eps=1e-5, fused=True)
@@ -994,8 +1004,8 @@ class Trainer:
                 truncations.append((t, int(env), torch.from_numpy(step.final_obs[env].copy())))
             self.finished_games += step.finished_games
             self._load_next_obs(step.obs)
-        # Counted only for a whole rollout: one cut short by a stop request is discarded.
-        self.global_step += self.config.num_steps * self.envs.num_envs
+        # Counted only for a whole rollout (one cut short by a stop request is discarded), over all ranks.
+        self.global_step += self.config.num_steps * self.envs.num_envs * self.ranks.size
 
         started = time.perf_counter()
         # $V(s_{t+1})$ for every step: the next stored value, the value after the rollout for the
@@ -1015,8 +1025,8 @@ class Trainer:
         """One PPO update on `rollout`, with the learning rate and clip range of `self.update`."""
         config = self.config
         started = time.perf_counter()
-        learning_rate = linear_schedule(config.learning_rate, self.update, config.num_updates)
-        clip_range = linear_schedule(config.clip_range, self.update, config.num_updates)
+        learning_rate = linear_schedule(config.learning_rate, self.update, self.num_updates)
+        clip_range = linear_schedule(config.clip_range, self.update, self.num_updates)
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
 
@@ -1043,16 +1053,16 @@ class Trainer:
                 policy = Categorical(logits=logits, validate_args=False)
                 # Normalise advantages per minibatch: the scale of the gradient no longer depends on
                 # the scale of the rewards, and about half the actions are pushed up, half down.
-                batch_advantages = advantages[batch]
-                batch_advantages = (batch_advantages - batch_advantages.mean()) / (batch_advantages.std() + 1e-8)
+                batch_advantages = self.ranks.normalize(advantages[batch])
                 terms = ppo_loss(policy.log_prob(actions[batch]), old_log_probs[batch], batch_advantages,
                                  values, old_values[batch], returns[batch], policy.entropy(),
                                  clip_range, config.vf_coef, config.ent_coef)
-                if config.target_kl is not None and terms.approx_kl.item() > config.target_kl:
+                if config.target_kl is not None and self.ranks.mean(terms.approx_kl).item() > config.target_kl:
                     stopped_early = True
                     break
                 self.optimizer.zero_grad(set_to_none=True)
                 terms.loss.backward()
+                self.ranks.average_gradients(self.model.parameters())
                 grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
                 if not torch.isfinite(grad_norm):
                     raise NonFiniteError(f"the loss or its gradient became {grad_norm.item()} at update "
@@ -1062,34 +1072,36 @@ class Trainer:
             if stopped_early:
                 break
         self.update += 1
-        means = torch.stack(history).mean(0).tolist() if history else [float("nan")] * len(LossTerms._fields)
-        stats = dict(zip(LossTerms._fields, means))
-        stats.update(learning_rate=learning_rate, clip_range=clip_range,
-                     explained_variance=explained_variance(old_values, returns),
-                     epochs=epoch + 1, stopped_early=float(stopped_early))
+        means = torch.stack(history).mean(0) if history else torch.full((len(LossTerms._fields),), float("nan"))
+        variance_explained = torch.tensor(explained_variance(old_values, returns), device=self.device)
+        stats = dict(zip(LossTerms._fields + ("explained_variance",),
+                         self.ranks.mean(torch.cat([means.to(self.device), variance_explained[None]])).tolist()))
+        stats.update(learning_rate=learning_rate, clip_range=clip_range, epochs=epoch + 1,
+                     stopped_early=float(stopped_early))
         self.timings["update"] += time.perf_counter() - started
         return stats
 
     # ### Checkpoints
     #
     # A checkpoint holds all the state of training: the model, Adam's moments, the counters, the
-    # random state and the configuration. The games themselves restart on resume; their emulator
-    # state is not saved.
+    # random state of every rank and the configuration. The games themselves restart on resume;
+    # their emulator state is not saved.
 
     def state_dict(self) -> dict:
+        """The state to save. With several ranks, every rank must call it: it gathers their random states."""
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.zeros(0, dtype=torch.uint8)
         return {"format": CHECKPOINT_FORMAT, "config": dataclasses.asdict(self.config), "n_actions": self.envs.n_actions,
-                "update": self.update, "global_step": self.global_step,
+                "update": self.update, "global_step": self.global_step, "ranks": self.ranks.size,
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "torch_rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []}
+                "torch_rng": self.ranks.gather(torch.get_rng_state()), "cuda_rng": self.ranks.gather(cuda_rng)}
 
     def load_state_dict(self, checkpoint: dict) -> None:
         self.model.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.update, self.global_step = checkpoint["update"], checkpoint["global_step"]
-        torch.set_rng_state(checkpoint["torch_rng"])
-        if self.device.type == "cuda" and checkpoint["cuda_rng"]:
-            torch.cuda.set_rng_state_all(checkpoint["cuda_rng"])
+        torch.set_rng_state(checkpoint["torch_rng"][self.ranks.rank])
+        if self.device.type == "cuda" and len(checkpoint["cuda_rng"][self.ranks.rank]):
+            torch.cuda.set_rng_state(checkpoint["cuda_rng"][self.ranks.rank], self.device)
 
 
 CHECKPOINT_FORMAT = "ppo_atari/1"
@@ -1127,6 +1139,123 @@ def restore_model(model: nn.Module, checkpoint: dict, path: str) -> None:
     except RuntimeError as error:
         first = str(error).strip().splitlines()
         raise ConfigError(f"checkpoint {path} holds a different network: {' '.join(first[1:2] or first)}") from None
+
+
+# ## Past one device: data-parallel training with torchrun
+#
+# `torchrun --nproc_per_node N ppo_atari.py --env Breakout` starts N copies of this script, the
+# *ranks*. Each plays its own games (with seeds of its own) and collects its own rollout, so a batch
+# is N times larger; all ranks keep the same network. After each minibatch's backward pass the
+# gradients are averaged over the ranks, so every rank takes the same Adam step and the parameters
+# never diverge. Averaging gradients of per-rank means over equal minibatches is the gradient of the
+# mean over the combined minibatch: the update is the single-process update on the combined batch,
+# with the advantages normalised over the combined minibatch as well. Rank 0 writes the logs and
+# checkpoints. Without torchrun there is one rank and every method below returns its input, so the
+# script behaves exactly as before.
+#
+# We average the gradients with one explicit all-reduce rather than wrapping the model in
+# `DistributedDataParallel`. DDP's gain is to overlap communication with the backward pass, bucket by
+# bucket, which pays for large models on fast links; ours has 1.7M parameters (7 MB, one message),
+# and DDP would wrap the module that sampling also calls. The explicit version is also the math above.
+
+
+class RankFailure(RuntimeError):
+    """A collective operation failed: another rank died or left."""
+
+
+class Ranks:
+    """The processes of a data-parallel run and the few collective operations that PPO needs.
+
+    `Ranks()` is a run of one process; `Ranks.from_environment()` reads what torchrun sets
+    (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`).
+    """
+
+    def __init__(self, size: int = 1, rank: int = 0, local_rank: int = 0, local_size: int = 1):
+        self.size, self.rank, self.local_rank, self.local_size = size, rank, local_rank, local_size
+
+    @classmethod
+    def from_environment(cls) -> Ranks:
+        env = os.environ
+        return cls(int(env.get("WORLD_SIZE", 1)), int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)),
+                   int(env.get("LOCAL_WORLD_SIZE", 1)))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def start(self, device: torch.device) -> None:
+        """Join the process group: NCCL between GPUs, gloo between CPUs."""
+        if self.size > 1:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+
+    def close(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _failure(self, error: RuntimeError) -> RankFailure:
+        # gloo says where in its source the connection broke, then why: keep the why.
+        reason = str(error).strip().splitlines()[0].split("] ")[-1].split(". ")[0]
+        return RankFailure(f"rank {self.rank}: another rank failed or left ({reason})")
+
+    def _all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        try:
+            dist.all_reduce(tensor, op=op)
+        except RuntimeError as error:  # gloo: the connection to a rank that died was reset
+            raise self._failure(error) from None
+        return tensor
+
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The mean of `tensor` over the ranks."""
+        return tensor if self.size == 1 else self._all_reduce(tensor.clone()) / self.size
+
+    def average_gradients(self, parameters) -> None:
+        """Replace each gradient by its mean over the ranks, in one message for all of them."""
+        if self.size == 1:
+            return
+        gradients = [p.grad for p in parameters]
+        flat = self._all_reduce(torch.cat([g.flatten() for g in gradients])) / self.size
+        for gradient, average in zip(gradients, flat.split([g.numel() for g in gradients])):
+            gradient.copy_(average.view_as(gradient))
+
+    def normalize(self, advantages: torch.Tensor) -> torch.Tensor:
+        r"""Advantages minus their mean, over their standard deviation, both over the combined minibatch.
+
+        Normalising the advantages of each minibatch keeps the gradient's scale independent of the
+        rewards' scale, and pushes about half the actions up, half down. With several ranks the mean
+        and the (unbiased) variance come from the sums $\sum A$, $\sum A^2$ and the count, added
+        over the ranks.
+        """
+        if self.size == 1:
+            return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        sums = torch.stack([advantages.sum(), (advantages ** 2).sum(),
+                            torch.tensor(float(advantages.numel()), device=advantages.device)])
+        total, squares, count = self._all_reduce(sums)
+        mean = total / count
+        variance = (squares - count * mean ** 2) / (count - 1)
+        return (advantages - mean) / (variance.clamp(min=0).sqrt() + 1e-8)
+
+    def broadcast_parameters(self, model: nn.Module) -> None:
+        """Start every rank from rank 0's initialisation."""
+        if self.size > 1:
+            for tensor in model.state_dict().values():
+                dist.broadcast(tensor, src=0)
+
+    def largest(self, value: int, device: torch.device) -> int:
+        """The largest of the ranks' values: the signal that stops them all, or 0 if none came."""
+        if self.size == 1:
+            return value
+        return int(self._all_reduce(torch.tensor([value], device=device), op=dist.ReduceOp.MAX).item())
+
+    def gather(self, value) -> list:
+        """Every rank's `value`, in rank order (for checkpoints and logs)."""
+        if self.size == 1:
+            return [value]
+        values = [None] * self.size
+        try:
+            dist.all_gather_object(values, value)
+        except RuntimeError as error:
+            raise self._failure(error) from None
+        return values
 
 
 # ### Logging and stopping
@@ -1171,11 +1300,16 @@ def format_duration(seconds: float) -> str:
 class StopRequest:
     """Turns Ctrl-C (SIGINT) and SIGTERM into a request to stop at the next safe point.
 
-    Training then saves a checkpoint and exits. A second Ctrl-C interrupts at once.
+    Training then saves a checkpoint and exits with status 128 plus the signal's number. A second
+    signal more than a second after the first aborts at once. One within the second is the same
+    request arriving twice, as it does under torchrun, which passes a Ctrl-C on to every rank
+    that the terminal has already delivered it to.
     """
 
-    def __init__(self):
+    def __init__(self, announce: bool = True):
         self.signal: int | None = None
+        self.received = 0.0
+        self.announce = announce
 
     def __call__(self) -> bool:
         return self.signal is not None
@@ -1185,11 +1319,13 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame) -> None:
-        self.signal = signum
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
-              "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+        if self.signal is None:
+            self.signal, self.received = signum, time.monotonic()
+            if self.announce:
+                print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
+                      "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+        elif time.monotonic() - self.received > 1.0:
+            raise KeyboardInterrupt
 
     def __exit__(self, *exc_info) -> None:
         for sig, handler in self.previous.items():
@@ -1223,88 +1359,129 @@ def checkpoint_state(trainer: Trainer, env_id: str) -> dict:
 
 def train(config: Config, env_id: str, checkpoint: dict | None = None) -> int:
     """Train, log and checkpoint; the exit status of the run."""
-    from torch.utils.tensorboard import SummaryWriter
-
+    ranks = Ranks.from_environment()
     if checkpoint is not None:
         run_dir = Path(config.run_dir or Path(config.resume).parent)
+        if checkpoint["ranks"] != ranks.size:
+            raise ConfigError(f"checkpoint {config.resume} was written by a run of {checkpoint['ranks']} rank(s); "
+                              f"resume it with as many, not {ranks.size}")
     else:
         run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config, env_id)
-        if (run_dir / "checkpoint.pt").exists():
+        if ranks.is_main and (run_dir / "checkpoint.pt").exists():
             raise ConfigError(f"{run_dir} already holds a checkpoint; resume it with --resume "
                               f"{run_dir / 'checkpoint.pt'} or choose another --run-dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_path = run_dir / "checkpoint.pt"
-    seed_everything(config.seed)
-    num_workers = config.num_workers or min(config.num_envs, len(os.sched_getaffinity(0))
-                                            if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    seed_everything(config.seed + ranks.rank)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    num_workers = config.num_workers or max(1, min(config.num_envs, cores // ranks.local_size))
     start_method = None if config.start_method == "default" else config.start_method
     # The workers start before anything touches CUDA or starts a thread (TensorBoard's writer does),
     # so that forking them is safe.
-    with Workers(env_id, config.num_envs, num_workers, config.seed, game_options(config), start_method) as envs:
-        device = choose_device(config.device)
-        bf16 = use_bf16(config.precision, device)
-        if device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-            torch.backends.cudnn.benchmark = True
-        trainer = Trainer(config, envs, device, bf16=bf16)
-        if checkpoint is not None:
-            restore_model(trainer.model, checkpoint, config.resume)
-            trainer.load_state_dict(checkpoint)
+    with Workers(env_id, config.num_envs, num_workers, config.seed, game_options(config), start_method,
+                 first_game=ranks.rank * config.num_envs) as envs:
+        device = choose_device(config.device, ranks.local_rank)
+        ranks.start(device)
+        try:
+            return train_with(config, env_id, checkpoint, envs, device, ranks, run_dir, num_workers)
+        finally:
+            ranks.close()
+
+
+def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Workers, device: torch.device,
+               ranks: Ranks, run_dir: Path, num_workers: int) -> int:
+    """The training loop of `train`, once the games and the device are ready."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    bf16 = use_bf16(config.precision, device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    trainer = Trainer(config, envs, device, bf16=bf16, ranks=ranks)
+    if checkpoint is not None:
+        restore_model(trainer.model, checkpoint, config.resume)
+        trainer.load_state_dict(checkpoint)
+    checkpoint_path = run_dir / "checkpoint.pt"
+
+    def write_checkpoint() -> None:
+        state = checkpoint_state(trainer, env_id)  # every rank takes part: it gathers their random states
+        if ranks.is_main:
+            save_checkpoint(state, checkpoint_path)
+
+    writer, progress = None, Progress(config.total_timesteps, trainer.global_step)
+    if ranks.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
         writer = SummaryWriter(str(run_dir))
         if checkpoint is None:
             writer.add_text("hyperparameters", hyperparameter_table(config, env_id))
+        across = f" on each of {ranks.size} ranks" if ranks.size > 1 else ""
         print(f"{env_id}: training on {device} ({'bfloat16' if bf16 else 'float32'} torso), "
-              f"{config.num_envs} games in {num_workers} workers; logs and checkpoints in {run_dir}",
+              f"{config.num_envs} games in {num_workers} workers{across}; logs and checkpoints in {run_dir}",
               file=sys.stderr)
-        progress = Progress(config.total_timesteps, trainer.global_step)
-        # The loop of training: sample a rollout, update on it, log, and write a checkpoint every
-        # `checkpoint_every` updates and at the end. Ctrl-C or SIGTERM asks it to stop at the next
-        # safe point, between two steps of the games (the unfinished rollout is dropped) or after an
-        # update; the checkpoint is then written and the exit status is 128 plus the signal's number.
-        try:
-            with StopRequest() as stop:
-                while trainer.update < config.num_updates:
-                    iteration_started = dict(trainer.timings)
-                    rollout = trainer.collect_rollout(stop)
-                    if rollout is None:
-                        break
-                    stats = trainer.update_policy(rollout)
-                    log_update(writer, trainer, stats, progress, iteration_started)
-                    if trainer.update % config.checkpoint_every == 0:
-                        save_checkpoint(checkpoint_state(trainer, env_id), checkpoint_path)
-                    if stop():
-                        break
-            save_checkpoint(checkpoint_state(trainer, env_id), checkpoint_path)
-            progress.show(trainer.global_step, final=True)
-            if stop():
-                print(f"stopped at update {trainer.update}; resume with --resume {checkpoint_path}", file=sys.stderr)
-                return 128 + stop.signal
-            print(f"done: {trainer.global_step:,} steps; checkpoint in {checkpoint_path}", file=sys.stderr)
-            return 0
-        # A worker fails while the games are stepped, before the update begins: the model is whole,
-        # so it is saved before the failure is reported.
-        except WorkerError as error:
-            save_checkpoint(checkpoint_state(trainer, env_id), checkpoint_path)
+    # The loop of training: sample a rollout, update on it, log, and write a checkpoint every
+    # `checkpoint_every` updates and at the end. Ctrl-C or SIGTERM asks it to stop at the next
+    # safe point, between two steps of the games (the unfinished rollout is dropped) or after an
+    # update; the checkpoint is then written and the exit status is 128 plus the signal's number.
+    # With several ranks, the ranks agree after each update on whether any of them was asked to stop.
+    stopped_by = 0
+    try:
+        with StopRequest(announce=ranks.is_main) as stop:
+            while trainer.update < trainer.num_updates:
+                iteration_started = dict(trainer.timings)
+                rollout = trainer.collect_rollout(stop if ranks.size == 1 else lambda: False)
+                if rollout is None:
+                    stopped_by = stop.signal
+                    break
+                stats = trainer.update_policy(rollout)
+                finished_games = [game for games in ranks.gather(trainer.finished_games) for game in games]
+                if ranks.is_main:
+                    log_update(writer, trainer, stats, finished_games, progress, iteration_started)
+                if trainer.update % config.checkpoint_every == 0:
+                    write_checkpoint()
+                stopped_by = ranks.largest(stop.signal or 0, device)
+                if stopped_by:
+                    break
+        write_checkpoint()
+        if not ranks.is_main:
+            return 128 + stopped_by if stopped_by else 0
+        progress.show(trainer.global_step, final=True)
+        if stopped_by:
+            print(f"stopped at update {trainer.update}; resume with --resume {checkpoint_path}", file=sys.stderr)
+            return 128 + stopped_by
+        print(f"done: {trainer.global_step:,} steps; checkpoint in {checkpoint_path}", file=sys.stderr)
+        return 0
+    # A worker fails while the games are stepped, before the update begins: the model is whole, so
+    # a single process saves it before reporting. (With several ranks the others cannot join in
+    # writing it; torchrun stops them, and the last checkpoint stays.)
+    except WorkerError as error:
+        if ranks.size == 1:
+            write_checkpoint()
             print(f"\n{error}\ncheckpoint of update {trainer.update} saved in {checkpoint_path}", file=sys.stderr)
-            return 1
-        except NonFiniteError as error:
-            kept = f"the last good checkpoint is {checkpoint_path}" if checkpoint_path.exists() else "no checkpoint was written"
-            print(f"\n{error}; {kept}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print(f"\naborted; the last checkpoint written is in {checkpoint_path}", file=sys.stderr)
-            return 130
-        finally:
+        else:
+            print(f"\nrank {ranks.rank}: {error}", file=sys.stderr)
+        return 1
+    except NonFiniteError as error:
+        kept = f"the last good checkpoint is {checkpoint_path}" if checkpoint_path.exists() else "no checkpoint was written"
+        print(f"\n{error}; {kept}", file=sys.stderr)
+        return 1
+    except RankFailure as error:
+        print(f"\n{error}; the last checkpoint written is in {checkpoint_path}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\naborted; the last checkpoint written is in {checkpoint_path}", file=sys.stderr)
+        return 130
+    finally:
+        if writer is not None:
             writer.close()
 
 
-def log_update(writer, trainer: Trainer, stats: dict, progress: Progress, timings_before: dict) -> None:
+def log_update(writer, trainer: Trainer, stats: dict, finished_games: list, progress: Progress,
+               timings_before: dict) -> None:
     """Write one update to TensorBoard under CleanRL's tag names, so that curves compare across
     projects: the real scores of the games that ended, the schedules, the loss terms and the speed;
     under `perf/`, the seconds this update spent stepping games, choosing actions and learning."""
     step = trainer.global_step
-    for _, score, length in trainer.finished_games:
+    for _, score, length in finished_games:
         writer.add_scalar("charts/episodic_return", score, step)
         writer.add_scalar("charts/episodic_length", length, step)
         progress.scores.append(score)

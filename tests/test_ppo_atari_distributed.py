@@ -1,0 +1,246 @@
+"""ppo_atari.py past one device: data-parallel ranks (gloo on CPU), directly and under torchrun."""
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import ppo_atari
+from conftest import ROOT
+
+SCRIPT = str(ROOT / "ppo_atari.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RandomFrames:
+    """A vector env of random frames and rewards from its own seed: stands in for each rank's games."""
+
+    def __init__(self, num_envs: int, seed: int):
+        self.num_envs, self.n_actions = num_envs, 4
+        self.rng = np.random.default_rng(seed)
+        self.obs = np.zeros((num_envs, 4, 84, 84), np.uint8)
+        self.final_obs = np.zeros_like(self.obs)
+
+    def reset(self):
+        self.obs[:] = self.rng.integers(0, 256, self.obs.shape)
+        return self.obs
+
+    def step(self, actions):
+        self.obs[:] = self.rng.integers(0, 256, self.obs.shape)
+        rewards = self.rng.normal(size=self.num_envs).astype(np.float32)
+        terminated = self.rng.random(self.num_envs) < 0.1
+        truncated = ~terminated & (self.rng.random(self.num_envs) < 0.05)
+        self.final_obs[truncated] = self.rng.integers(0, 256, self.final_obs[truncated].shape)
+        return ppo_atari.VecStep(self.obs, rewards, terminated, truncated, self.final_obs, [])
+
+
+CONFIG = dict(num_envs=2, num_steps=8, num_minibatches=1, update_epochs=2, total_timesteps=32 * 10,
+              learning_rate=1e-3, max_grad_norm=0.5)
+UPDATES = 3
+
+
+def run_rank(rank: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(100 + rank)  # different initialisations: the broadcast must make them equal
+    config = ppo_atari.Config(**CONFIG)
+    trainer = ppo_atari.Trainer(config, RandomFrames(2, seed=rank), torch.device("cpu"),
+                                ranks=ppo_atari.Ranks(size=2, rank=rank))
+    initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    rollouts, stats = [], []
+    for _ in range(UPDATES):
+        rollout = trainer.collect_rollout()
+        rollouts.append(ppo_atari.Rollout(*(x.clone() for x in rollout)))
+        stats.append(trainer.update_policy(rollout))
+    torch.save({"initial": initial, "final": trainer.model.state_dict(), "rollouts": [r._asdict() for r in rollouts],
+                "stats": stats}, out)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Two gloo ranks, each with its own data, through `UPDATES` updates of the real trainer."""
+    folder = tmp_path_factory.mktemp("ranks")
+    port = free_port()
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=run_rank, args=(rank, port, str(folder / f"rank{rank}.pt")))
+                 for rank in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=300)
+        assert process.exitcode == 0
+    return [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+
+
+def test_ranks_start_equal_and_stay_identical(two_ranks):
+    rank0, rank1 = two_ranks
+    for name in rank0["initial"]:
+        torch.testing.assert_close(rank0["initial"][name], rank1["initial"][name], rtol=0, atol=0)
+        torch.testing.assert_close(rank0["final"][name], rank1["final"][name], rtol=0, atol=0)
+    assert any(not torch.equal(rank0["initial"][name], rank0["final"][name]) for name in rank0["initial"])
+    # Different games on each rank: the rollouts differ.
+    assert not torch.equal(rank0["rollouts"][0]["obs"], rank1["rollouts"][0]["obs"])
+    # The logged statistics are means over the ranks, the same on both.
+    assert rank0["stats"] == rank1["stats"]
+
+
+def test_ranks_equal_one_process_on_the_combined_batch(two_ranks):
+    # Full-batch minibatches (num_minibatches=1), so the combined minibatch is the union of the
+    # ranks' minibatches whatever their order: averaged gradients of the ranks' means are then the
+    # gradient of the mean over the combined batch, advantages are normalised over all of it, and
+    # the gradient is clipped after averaging, as one process on the combined batch would do.
+    rank0, rank1 = two_ranks
+    config = ppo_atari.Config(**{**CONFIG, "num_envs": 4})
+    trainer = ppo_atari.Trainer(config, RandomFrames(4, seed=9), torch.device("cpu"))
+    trainer.model.load_state_dict(rank0["initial"])
+    assert trainer.num_updates == 10
+    for first, second, stats in zip(rank0["rollouts"], rank1["rollouts"], rank0["stats"]):
+        combined = ppo_atari.Rollout(**{name: torch.cat([first[name], second[name]], dim=1) for name in first})
+        single = trainer.update_policy(combined)
+        assert single["learning_rate"] == stats["learning_rate"]
+        assert single["policy_loss"] == pytest.approx(stats["policy_loss"], rel=1e-4, abs=1e-6)
+    for name, tensor in trainer.model.state_dict().items():
+        torch.testing.assert_close(tensor, rank0["final"][name], rtol=1e-4, atol=1e-6)
+
+
+def torchrun(*args, **popen):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(free_port()), SCRIPT, "--num-envs", "2", "--num-steps", "32",
+               "--num-workers", "1", *map(str, args)]
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def process_tree(pid: int) -> set[int]:
+    """`pid`'s descendants, read from /proc."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+    tree, grew = set(), True
+    while grew:
+        new = {child for child, parent in parents.items() if (parent == pid or parent in tree) and child not in tree}
+        tree |= new
+        grew = bool(new)
+    return tree
+
+
+def children_of(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    children.append(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+    return children
+
+
+def alive(pids) -> list[int]:
+    living = []
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                living.append(pid)
+        except FileNotFoundError:
+            pass
+    return living
+
+
+def rank_of(pid: int) -> int | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except (FileNotFoundError, PermissionError):
+        return None
+    values = dict(item.split(b"=", 1) for item in environ if b"=" in item)
+    return int(values[b"RANK"]) if b"RANK" in values else None
+
+
+def wait_for_checkpoint(path: Path, process, seconds=240) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert process.poll() is None, process.stdout.read()
+        assert time.monotonic() < deadline, "no checkpoint in time"
+        time.sleep(0.5)
+
+
+def test_torchrun_trains_on_two_ranks_and_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    process = torchrun("--total-timesteps", 512, "--checkpoint-every", 2, "--run-dir", run_dir)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    # 2 ranks x 2 games x 32 steps = 128 agent steps an update.
+    assert checkpoint["ranks"] == 2 and checkpoint["update"] == 4 and checkpoint["global_step"] == 512
+    assert len(checkpoint["torch_rng"]) == 2 and not torch.equal(*checkpoint["torch_rng"])
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # rank 0 alone writes
+    assert output.count("training on cpu") == 1
+
+    resumed = torchrun("--resume", run_dir / "checkpoint.pt", "--total-timesteps", 768)
+    output, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, output
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert checkpoint["update"] == 6 and checkpoint["global_step"] == 768
+
+    alone = subprocess.run([sys.executable, SCRIPT, "--resume", str(run_dir / "checkpoint.pt")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 2 and "written by a run of 2 rank(s)" in alone.stderr
+
+
+def test_a_failed_rank_brings_the_others_down(tmp_path):
+    process = torchrun("--total-timesteps", 10_000_000, "--checkpoint-every", 1, "--run-dir", tmp_path)
+    try:
+        wait_for_checkpoint(tmp_path / "checkpoint.pt", process)
+        tree = process_tree(process.pid)
+        # torchrun's own children are the ranks (their children are the game workers).
+        ranks = {rank_of(pid): pid for pid in children_of(process.pid)}
+        os.kill(ranks[1], signal.SIGKILL)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode != 0
+    assert "FAILED" in output and "rank      : 1" in output
+    time.sleep(1)
+    assert alive(tree) == []
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] >= 1
+
+
+def test_ctrl_c_under_torchrun_saves_a_checkpoint(tmp_path):
+    # A terminal's Ctrl-C reaches every process of the foreground group, and torchrun passes it on
+    # to the ranks a second time: the ranks must take the two as one request and still save.
+    process = torchrun("--total-timesteps", 10_000_000, "--checkpoint-every", 1000, "--run-dir", tmp_path,
+                       start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        for line in process.stdout:
+            if "training on" in line:
+                break
+            assert time.monotonic() < deadline
+        time.sleep(5)
+        tree = process_tree(process.pid)
+        os.killpg(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert "stopped at update" in output and "aborted" not in output, output
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert checkpoint["update"] >= 1 and checkpoint["global_step"] == checkpoint["update"] * 128
+    time.sleep(1)
+    assert alive(tree) == []
