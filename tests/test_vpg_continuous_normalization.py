@@ -1,13 +1,11 @@
 """The running statistics of vpg_continuous.py: exact against numpy, merged across workers, saved, frozen in eval."""
 
-import io
-
 import numpy as np
 import pytest
 import torch
 
 import vpg_continuous as vpg
-from vpg_continuous_helpers import InProcessEnvs, ScriptedEnvs
+from vpg_continuous_helpers import ScriptedEnvs, pendulum_checkpoint, saved_and_loaded
 
 
 def drifting_stream(seed: int, batches: int, width: int = 5):
@@ -97,13 +95,6 @@ def test_rewards_are_divided_by_the_spread_of_the_discounted_return():
         np.testing.assert_allclose(scaled, expected, rtol=1e-6)
 
 
-def saved_and_loaded(state: dict) -> dict:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
 def test_the_statistics_survive_a_checkpoint_round_trip():
     config = vpg.Config(num_envs=2, num_steps=7, total_timesteps=14, num_minibatches=2)
     trainer = vpg.Trainer(config, ScriptedEnvs(truncate_at={0: [3]}), torch.device("cpu"))
@@ -125,12 +116,7 @@ def test_evaluation_uses_the_saved_statistics_frozen(variance, monkeypatch):
     # saved statistics of mean 0 and variance v, the policy must see that point scaled by
     # 1 / sqrt(v), every step of every episode; statistics re-estimated during evaluation would
     # not keep it on that circle.
-    envs = InProcessEnvs("Pendulum-v1", num_envs=2, seed=0)
-    config = vpg.Config(env="Pendulum-v1", num_envs=2, num_steps=8, total_timesteps=16, num_minibatches=2)
-    trainer = vpg.Trainer(config, envs, torch.device("cpu"))
-    trainer.update_policy(trainer.collect_rollout())
-    envs.close()
-    checkpoint = saved_and_loaded(vpg.checkpoint_state(trainer, "Pendulum-v1"))
+    checkpoint = pendulum_checkpoint()
     checkpoint["obs_normalizer"] = {"mean": torch.zeros(3, dtype=torch.float64),
                                     "var": torch.full((3,), variance, dtype=torch.float64), "count": 1000}
     inputs = []

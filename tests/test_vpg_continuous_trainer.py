@@ -1,6 +1,5 @@
 """The networks and the trainer's plumbing in vpg_continuous.py, on scripted envs."""
 
-import io
 import math
 
 import numpy as np
@@ -8,7 +7,7 @@ import pytest
 import torch
 
 import vpg_continuous as vpg
-from vpg_continuous_helpers import ScriptedEnvs
+from vpg_continuous_helpers import ScriptedEnvs, pendulum_checkpoint, saved_and_loaded
 
 
 def small_config(**overrides) -> vpg.Config:
@@ -130,11 +129,8 @@ def test_update_follows_the_schedule_and_resumes_on_it():
         stats = trainer.update_policy(trainer.collect_rollout())
     assert stats["learning_rate"] == pytest.approx(1e-3 * (1 - 4 / 10))
 
-    buffer = io.BytesIO()
-    torch.save(trainer.state_dict(), buffer)
-    buffer.seek(0)
     resumed = vpg.Trainer(config, ScriptedEnvs(), torch.device("cpu"))
-    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    resumed.load_state_dict(saved_and_loaded(trainer.state_dict()))
     assert resumed.update == 5 and resumed.global_step == 5 * config.batch_size
     for network, original in [(resumed.policy, trainer.policy), (resumed.value, trainer.value)]:
         for name, tensor in original.state_dict().items():
@@ -161,3 +157,26 @@ def test_a_nan_stops_the_update_and_names_it():
         trainer.update_policy(rollout)
     for (name, key), tensor in before.items():  # no step was taken
         torch.testing.assert_close(networks[name].state_dict()[key], tensor, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_evaluation_samples_or_takes_the_mean_action(deterministic, monkeypatch):
+    checkpoint = pendulum_checkpoint()
+    with torch.no_grad():  # a mean of about 2.5, outside Pendulum's bounds of +-2, whatever the state
+        checkpoint["policy"]["mean.bias"].fill_(2.5)
+    sent = []
+    real_step = vpg.Task.step
+
+    def recording_step(self, action):
+        sent.append(float(action[0]))
+        return real_step(self, action)
+
+    monkeypatch.setattr(vpg.Task, "step", recording_step)
+    config = vpg.Config(env="Pendulum-v1", eval="checkpoint.pt", eval_episodes=2, max_episode_steps=50,
+                        eval_deterministic=deterministic)
+    vpg.evaluate(config, "Pendulum-v1", vpg.describe_env("Pendulum-v1"), checkpoint)
+    assert len(sent) == 100 and all(-2.0 <= a <= 2.0 for a in sent)  # clipped to the bounds
+    if deterministic:
+        assert set(sent) == {2.0}  # the mean, clipped
+    else:
+        assert 2.0 in sent and min(sent) < 2.0  # samples around the mean, about a quarter inside the bounds

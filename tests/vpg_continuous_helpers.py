@@ -1,6 +1,9 @@
 """Vector envs for the tests of vpg_continuous.py: the reference for `Workers`, and a scripted one."""
 
+import io
+
 import numpy as np
+import torch
 
 import vpg_continuous as vpg
 
@@ -79,3 +82,21 @@ class ScriptedEnvs:
             if terminated[env] or truncated[env]:
                 finished.append((env, 1.0, 1))
         return vpg.VecStep(obs, np.ones(self.num_envs), terminated, truncated, final_obs, finished)
+
+
+def saved_and_loaded(state: dict) -> dict:
+    """`state` after a trip through `torch.save` and `torch.load(weights_only=True)`, as a checkpoint makes it."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def pendulum_checkpoint() -> dict:
+    """The checkpoint of one short update on Pendulum-v1, loaded back as `--eval` would load it."""
+    envs = InProcessEnvs("Pendulum-v1", num_envs=2, seed=0)
+    config = vpg.Config(env="Pendulum-v1", num_envs=2, num_steps=8, total_timesteps=16, num_minibatches=2)
+    trainer = vpg.Trainer(config, envs, torch.device("cpu"))
+    trainer.update_policy(trainer.collect_rollout())
+    envs.close()
+    return saved_and_loaded(vpg.checkpoint_state(trainer, "Pendulum-v1"))
