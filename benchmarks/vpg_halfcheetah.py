@@ -2,8 +2,8 @@
 
 Each run is the script itself, through its command line, exactly as a user starts it; this file
 then reads the TensorBoard events the run leaves and reports the return curve (the mean episodic
-return of the episodes that ended in each tenth of the run), the return at the end (the last 10
-episodes, which on HalfCheetah are 10,000 steps), the SPS and the wall time.
+return of the episodes that ended in each tenth of the run), the return at the end (the mean of
+the last 20 episodes, the number the script's progress line shows), the SPS and the wall time.
 
     python benchmarks/vpg_halfcheetah.py                                   # seed 1, 1M steps
     python benchmarks/vpg_halfcheetah.py --seeds 1 2 3 --json results.json
@@ -39,7 +39,7 @@ def summarise(run_dir: Path, total_timesteps: int, points: int = 10) -> dict:
         low, high = total_timesteps * (i - 1) / points, total_timesteps * i / points
         window = [value for step, value in returns if low < step <= high]
         curve.append((int(high), float(np.mean(window)) if window else float("nan")))
-    return {"final_return": float(np.mean([value for _, value in returns[-10:]])), "curve": curve,
+    return {"final_return": float(np.mean([value for _, value in returns[-20:]])), "curve": curve,
             "episodes": len(returns), "sps": sps[-1]}
 
 
@@ -66,7 +66,7 @@ def main() -> None:
                   **summarise(run_dir, args.total_timesteps)}
         results.append(result)
         curve = "  ".join(f"{step // 1000}k:{value:.0f}" for step, value in result["curve"])
-        print(f"seed {seed}: return {result['final_return']:.1f} (last 10 episodes) | {result['sps']:,.0f} SPS | "
+        print(f"seed {seed}: return {result['final_return']:.1f} (last 20 episodes) | {result['sps']:,.0f} SPS | "
               f"{result['seconds'] / 60:.1f} min | curve {curve}", flush=True)
     finals = [result["final_return"] for result in results]
     spread = f" ± {statistics.stdev(finals):.1f}" if len(finals) > 1 else ""
