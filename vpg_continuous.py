@@ -656,8 +656,9 @@ class RunningMeanStd:
     \sigma^2_B$ combine exactly (Chan, Golub and LeVeque, 1979, the parallel form of Welford's
     algorithm):
 
-    $$\delta = \mu_B - \mu_A, \qquad n = n_A + n_B, \qquad \mu = \mu_A + \delta \frac{n_B}{n}, \qquad
-      \sigma^2 = \frac{n_A \sigma^2_A + n_B \sigma^2_B + \delta^2 n_A n_B / n}{n}.$$
+    $$\delta = \mu_B - \mu_A, \qquad n = n_A + n_B, \qquad \mu = \mu_A + \delta \frac{n_B}{n},$$
+
+    $$\sigma^2 = \frac{n_A \sigma^2_A + n_B \sigma^2_B + \delta^2 n_A n_B / n}{n}.$$
 
     `merge` applies it to the statistics of another stream (kept by another process, say); `update`
     merges in the statistics of one batch, which at each step holds an observation from every env
@@ -899,8 +900,9 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.
     the advantage is the exponentially weighted sum of the TD errors that follow, cut where the
     episode ends:
 
-    $$\hat A_t = \delta_t + \gamma \lambda (1 - \mathrm{done}_t) \hat A_{t+1},
-      \qquad \mathrm{done}_t = \mathrm{terminated}_t \lor \mathrm{truncated}_t .$$
+    $$\hat A_t = \delta_t + \gamma \lambda (1 - \mathrm{done}_t) \hat A_{t+1},$$
+
+    where $\mathrm{done}_t = \mathrm{terminated}_t \lor \mathrm{truncated}_t$.
 
     The returns that the value function regresses to are $\hat A_t + V(s_t)$, the
     $\lambda$-return.
@@ -958,17 +960,23 @@ def vpg_loss(log_probs: torch.Tensor, advantages: torch.Tensor, values: torch.Te
     trick) the gradient becomes an expectation we can sample, with no model of the environment:
 
     $$\nabla_\theta J(\theta) = \mathbb E_{\tau \sim \pi_\theta}\left[\sum_t
-      \nabla_\theta \log \pi_\theta(a_t|s_t)\; R(\tau)\right]
-      = \mathbb E_{\tau \sim \pi_\theta}\left[\sum_t
-      \nabla_\theta \log \pi_\theta(a_t|s_t)\; A^{\pi_\theta}(s_t, a_t)\right].$$
+      \nabla_\theta \log \pi_\theta(a_t|s_t)\; R(\tau)\right].$$
 
-    The second form (Williams, 1992; Sutton et al., 2000) holds because an action cannot change
-    the rewards that came before it, and because any baseline $b(s_t)$ may be subtracted from what
-    follows it: $\mathbb E_{a \sim \pi}[\nabla_\theta \log \pi_\theta(a|s)\, b(s)] = b(s)\,
-    \nabla_\theta \int \pi_\theta(a|s)\, da = b(s)\, \nabla_\theta 1 = 0$. Taking the baseline
-    $V(s_t)$ leaves the advantage, whose variance is far smaller than the return's. It reads:
-    make actions that did better than usual more likely, and those that did worse less likely, in
-    proportion to how much better or worse.
+    It holds as well with the advantage of each action in place of the whole return (Williams,
+    1992; Sutton et al., 2000),
+
+    $$\nabla_\theta J(\theta) = \mathbb E_{\tau \sim \pi_\theta}\left[\sum_t
+      \nabla_\theta \log \pi_\theta(a_t|s_t)\; A^{\pi_\theta}(s_t, a_t)\right],$$
+
+    because an action cannot change the rewards that came before it, and because any baseline
+    $b(s_t)$ may be subtracted from what follows it, since its term has expectation zero:
+
+    $$\mathbb E_{a \sim \pi}[\nabla_\theta \log \pi_\theta(a|s)\, b(s)]
+      = b(s)\, \nabla_\theta \int \pi_\theta(a|s)\, da = b(s)\, \nabla_\theta 1 = 0.$$
+
+    Taking the baseline $V(s_t)$ leaves the advantage, whose variance is far smaller than the
+    return's. It reads: make actions that did better than usual more likely, and those that did
+    worse less likely, in proportion to how much better or worse.
 
     **In code.** With $N$ samples and the GAE estimate $\hat A$ in place of $A$ (a constant here,
     computed before the step), the surrogate
