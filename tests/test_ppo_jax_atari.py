@@ -2,25 +2,20 @@
 a short run through the workers trains, checkpoints, resumes and evaluates."""
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import cv2
-import flax.serialization
 import jax
 import numpy as np
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import ppo_atari
 import ppo_jax
 from conftest import ROOT
-
-SCRIPT = str(ROOT / "ppo_jax.py")
+from ppo_jax_runs import SCRIPT, alive, children_of, environment, read_checkpoint, run, scalars  # noqa: F401 (fixtures)
 
 
 @contextlib.contextmanager
@@ -101,8 +96,7 @@ def test_a_worker_error_arrives_with_its_traceback_and_close_leaves_no_process(b
             workers.step(np.array([0, 99]))  # Breakout has 4 actions
         workers.close()
     assert "worker 1 failed" in str(error.value) and "IndexError" in str(error.value) and "in step" in str(error.value)
-    for pid in pids:
-        assert not Path(f"/proc/{pid}").exists() or "Z" == Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    assert not [pid for pid in pids if alive(pid)]
 
 
 class ScriptedGames:
@@ -154,22 +148,6 @@ def test_a_truncated_game_bootstraps_from_its_final_observation():
     assert trainer.update == 1 and metrics["learning_rate"] == pytest.approx(2.5e-4)
 
 
-@pytest.fixture(scope="module")
-def environment(tmp_path_factory):
-    """The environment of the script's runs: JAX's compilation cache shared by them. The Atari update
-    does not depend on the length of the run, so the runs below compile it once between them."""
-    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-cache"))}
-
-
-@pytest.fixture(scope="module")
-def run(environment):
-    def run(*args, timeout=300):
-        return subprocess.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT, env=environment)
-
-    return run
-
-
 # Two updates of 4 games x 64 steps; games are cut at 400 frames (about 95 agent steps), so that
 # each game ends, by truncation, within the run.
 SHORT = ["--env", "Breakout", "--num-envs", 4, "--num-steps", 64, "--num-minibatches", 2, "--update-epochs", 2,
@@ -184,12 +162,6 @@ def trained(run, tmp_path_factory):
     return run_dir, result
 
 
-def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    events = EventAccumulator(str(run_dir))
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-
-
 def test_a_short_breakout_run_through_the_workers(trained):
     run_dir, result = trained
     logged = scalars(run_dir)
@@ -202,7 +174,7 @@ def test_a_short_breakout_run_through_the_workers(trained):
     # Whole games, cut at 400 frames: about 95 agent steps after the no-ops and the serve.
     lengths = [length for _, length in logged["charts/episodic_length"]]
     assert len(lengths) >= 4 and all(85 <= length <= 100 for length in lengths)
-    checkpoint = flax.serialization.msgpack_restore((run_dir / "checkpoint.msgpack").read_bytes())
+    checkpoint = read_checkpoint(run_dir / "checkpoint.msgpack")
     assert checkpoint["update"] == 2 and checkpoint["global_step"] == 512 and checkpoint["env_id"] == "ALE/Breakout-v5"
     assert checkpoint["agent"]["params"]["params"]["policy"]["kernel"].shape == (512, 4)
     assert "4 games in" in result.stderr and "step 512/512" in result.stderr
@@ -232,19 +204,6 @@ def test_eval_plays_whole_games_and_writes_videos(trained, run, tmp_path):
     assert capture.get(cv2.CAP_PROP_FRAME_COUNT) > 10
 
 
-def children_of(pid: int) -> list[int]:
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if int(fields[1]) == pid:
-                children.append(int(entry.name))
-    return children
-
-
 def test_ctrl_c_saves_a_checkpoint_and_leaves_no_worker(environment, tmp_path):
     args = [*SHORT[:SHORT.index("--total-timesteps")], "--total-timesteps", "10000000", "--run-dir", str(tmp_path)]
     process = subprocess.Popen([sys.executable, SCRIPT, *map(str, args)], stderr=subprocess.PIPE, text=True, cwd=ROOT,
@@ -261,9 +220,8 @@ def test_ctrl_c_saves_a_checkpoint_and_leaves_no_worker(environment, tmp_path):
         process.kill()
     assert process.returncode == 130, errors
     assert "stopped at update" in errors and "Traceback" not in errors
-    checkpoint = flax.serialization.msgpack_restore((tmp_path / "checkpoint.msgpack").read_bytes())
+    checkpoint = read_checkpoint(tmp_path / "checkpoint.msgpack")
     assert checkpoint["global_step"] == checkpoint["update"] * 256
     assert len(workers) >= 1
     time.sleep(0.5)
-    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()
-                and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert not [pid for pid in workers if alive(pid)]

@@ -1,11 +1,9 @@
 """ppo_jax.py on gymnax environments, through its command line as a user runs it, and its checkpoints."""
 
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import flax.serialization
 import jax
@@ -16,37 +14,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import ppo_jax
 from conftest import ROOT
+from ppo_jax_runs import SCRIPT, environment, read_checkpoint, run, scalars  # noqa: F401 (fixtures)
 
-SCRIPT = str(ROOT / "ppo_jax.py")
 TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/clip_range",
         "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/clipfrac",
         "losses/explained_variance"]
-
-
-@pytest.fixture(scope="module")
-def environment(tmp_path_factory):
-    """The environment of the script's runs: JAX's compilation cache shared by them, so that a run
-    whose program an earlier one compiled (the same configuration again, say) loads it instead."""
-    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-cache"))}
-
-
-@pytest.fixture(scope="module")
-def run(environment):
-    def run(*args, timeout=300):
-        return subprocess.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT, env=environment)
-
-    return run
-
-
-def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    events = EventAccumulator(str(run_dir))
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-
-
-def read_checkpoint(path: Path) -> dict:
-    return flax.serialization.msgpack_restore(path.read_bytes())
 
 
 # CartPole with two agents, 16 updates of 4 envs x 64 steps, checkpoints every 8 updates.

@@ -7,9 +7,7 @@ that the gradient is what does the learning.
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import ppo_jax
 
