@@ -177,16 +177,17 @@ class Config:
         return self.total_timesteps // self.batch_size
 
 
-# Each kind of environment starts from its own settings; CartPole's are the defaults above. These
-# are PureJaxRL's CartPole settings (the PPO paper's Atari ones but for a clip range of 0.2), the
-# PPO paper's Atari settings, and for MinAtar and Pendulum settings tuned here (the README lists the
-# runs behind them).
+# Each kind of environment starts from its own settings; CartPole's are the defaults above. They
+# are PureJaxRL's CartPole settings (the PPO paper's Atari settings with a clip range of 0.2), and
+# for Atari the PPO paper's own, `ppo_atari.py`'s defaults. MinAtar's follow PureJaxRL's scale of a
+# batch (64 environments) and have not been tuned. Pendulum's were found here, in the style of
+# rl-zoo's (a short discount, large batches, ten epochs, no entropy bonus): with them four agents
+# reached returns between -147 and -159 in 1M steps each (a random policy scores about -1,200).
 PRESETS: dict[str, dict[str, Any]] = {
     "classic control": {},
     "continuous control": dict(total_timesteps=1_000_000, num_envs=16, num_steps=256, num_minibatches=32,
                                update_epochs=10, learning_rate=1e-3, gamma=0.95, ent_coef=0.0),
-    "MinAtar": dict(total_timesteps=10_000_000, num_envs=64, num_steps=128, num_minibatches=8,
-                    learning_rate=5e-4),
+    "MinAtar": dict(total_timesteps=10_000_000, num_envs=64, num_minibatches=8, learning_rate=5e-4),
     "Atari": dict(total_timesteps=10_000_000, num_envs=8, clip_range=0.1),
 }
 
