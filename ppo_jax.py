@@ -107,7 +107,6 @@ import cv2
 import flax.linen as nn
 import flax.serialization
 import gymnasium as gym
-import gymnax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -393,6 +392,10 @@ class BatchedEnv:
     """
 
     def __init__(self, env_id: str, num_envs: int):
+        # Imported here, not at the top: importing gymnax builds arrays, which starts JAX's backend
+        # and its threads, and an Atari run must fork its workers before that happens.
+        import gymnax
+
         self.env, self.params = gymnax.make(env_id)
         self.num_envs = num_envs
         space = self.env.action_space(self.params)
@@ -581,7 +584,8 @@ class Game:
 # `final_obs`. A worker's exception comes back with its traceback as a `WorkerError`; a dead worker
 # is noticed at once; workers ignore Ctrl-C (the main process's to handle) and exit if the main
 # process dies. One thing is new on this page: the workers must be started by `fork` *before* JAX
-# starts its threads, since a fork copies no threads and any lock one of them held stays locked.
+# starts its backend's threads (at its first computation, or on importing gymnax), since a fork
+# copies no threads, and any lock one of them held stays locked in the child.
 
 
 class WorkerError(RuntimeError):
