@@ -1,0 +1,187 @@
+"""Speed of ppo_jax.py, measured three ways; each measurement runs in a fresh process.
+
+(a) The compiled run: CartPole-v1, 500,000 steps per agent, 4 envs x 128 steps, as
+    `jax.jit(jax.vmap(train))` of `make_train`: seconds to trace, to compile and to run, for 1 agent
+    and for 16 agents side by side.
+(b) The whole process: `python ppo_jax.py` with the same settings (its defaults), from start to
+    exit: Python's start, imports, compilation, training, TensorBoard events and checkpoints.
+(c) Atari through the workers: agent steps per second of ppo_jax.py's Atari trainer beside
+    ppo_atari.py's, with the same settings (8 games x 128 steps, the default update), the time of an
+    iteration split into env stepping, inference and the update.
+
+The kinds of measurement alternate, `--repeats` times, and medians are reported, so that a noisy
+neighbour on a shared machine hits all alike; the load average is printed with each result.
+
+    python benchmarks/ppo_jax_speed.py                 # all three
+    python benchmarks/ppo_jax_speed.py --part compiled --seeds 1 16 1024
+
+Timings are never asserted in tests; this script is where they are measured. JAX's persistent
+compilation cache is switched off for every measurement, so that compile times are real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def environment() -> dict:
+    env = {key: value for key, value in os.environ.items() if key != "JAX_COMPILATION_CACHE_DIR"}
+    return {**env, "PYTHONPATH": str(ROOT)}
+
+
+def measure_compiled(seeds: int) -> dict:
+    """Trace, compile and run CartPole's whole training for `seeds` agents (in this process)."""
+    import jax
+    import numpy as np
+
+    import ppo_jax
+
+    config = ppo_jax.Config(env="CartPole-v1", total_timesteps=500_000, num_envs=4, num_steps=128, num_seeds=seeds)
+    keys = ppo_jax.agent_keys(config)
+    started = time.perf_counter()
+    lowered = jax.jit(jax.vmap(ppo_jax.make_train(config))).lower(keys)
+    traced = time.perf_counter()
+    compiled = lowered.compile()
+    compiled_at = time.perf_counter()
+    runners, metrics = compiled(keys)
+    returns = np.asarray(jax.block_until_ready(metrics)["episodic_return"])
+    finished = time.perf_counter()
+    final = np.nanmean(returns[:, -10:], axis=1)
+    return {"seeds": seeds, "trace_s": traced - started, "compile_s": compiled_at - traced,
+            "run_s": finished - compiled_at, "sps": 500_000 * seeds / (finished - compiled_at),
+            "final_return_min": float(final.min()), "final_return_mean": float(final.mean())}
+
+
+def measure_process(seeds: int) -> dict:
+    """`python ppo_jax.py` with its defaults (and `seeds` agents), start to exit."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        started = time.perf_counter()
+        result = subprocess.run([sys.executable, str(ROOT / "ppo_jax.py"), "--num-seeds", str(seeds),
+                                 "--run-dir", run_dir], capture_output=True, text=True, env=environment())
+        seconds = time.perf_counter() - started
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr)
+    compiled = next(line for line in result.stderr.splitlines() if "compiled in" in line)
+    return {"seeds": seeds, "process_s": seconds,
+            "compile_line_s": float(compiled.split("compiled in ")[1].split(" s")[0])}
+
+
+def measure_atari(script: str, iterations: int, warmup: int) -> dict:
+    """Agent steps per second of one script's Atari trainer: Breakout, 8 games x 128 steps, the default update."""
+    import numpy as np
+
+    if script == "ppo_jax":
+        import ppo_jax as module
+    else:
+        import ppo_atari as module
+    env_id = module.resolve_env("Breakout")[0] if script == "ppo_jax" else module.resolve_env_id("Breakout")
+    config = module.Config(env=env_id, num_envs=8) if script == "ppo_atari" else module.Config(
+        env=env_id, **module.PRESETS["Atari"])
+    num_workers = min(config.num_envs, len(os.sched_getaffinity(0)))
+    with module.Workers(env_id, config.num_envs, num_workers, 1, module.game_options(config)) as envs:
+        if script == "ppo_jax":
+            import jax
+
+            module.choose_device("auto")
+            trainer = module.AtariTrainer(config, envs, jax.random.key(1))
+        else:
+            import torch
+
+            torch.manual_seed(1)
+            device = module.choose_device("auto")
+            trainer = module.Trainer(config, envs, device, bf16=module.use_bf16("auto", device))
+        per_iteration, splits = [], []
+        for iteration in range(warmup + iterations):
+            before = dict(trainer.timings)
+            started = time.perf_counter()
+            trainer.update_policy(trainer.collect_rollout())
+            if iteration >= warmup:
+                per_iteration.append(time.perf_counter() - started)
+                splits.append({name: trainer.timings[name] - before[name] for name in trainer.timings})
+    seconds = statistics.median(per_iteration)
+    return {"script": script, "sps": config.batch_size / seconds, "seconds_per_iteration": seconds,
+            **{f"{name}_s": float(np.median([s[name] for s in splits])) for name in splits[0]}}
+
+
+def in_fresh_process(*args: str) -> dict:
+    """Run one measurement in a new Python process; its result, with the load average around it."""
+    load_before = os.getloadavg()[0]
+    result = subprocess.run([sys.executable, __file__, "--measure", *args], capture_output=True, text=True,
+                            env=environment())
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr)
+    return {**json.loads(result.stdout.strip().splitlines()[-1]), "load": (load_before, os.getloadavg()[0])}
+
+
+def median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(run[key] for run in runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["compiled", "process", "atari", "all"], default="all")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 16], help="agents per compiled run")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements of each kind, alternated")
+    parser.add_argument("--iterations", type=int, default=6, help="timed Atari iterations per measurement")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed Atari iterations first")
+    parser.add_argument("--json", type=Path, help="also write every measurement here")
+    parser.add_argument("--measure", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.measure:
+        kind, value = args.measure
+        if kind == "compiled":
+            result = measure_compiled(int(value))
+        elif kind == "process":
+            result = measure_process(int(value))
+        else:
+            result = measure_atari(value, args.iterations, args.warmup)
+        print(json.dumps(result))
+        return
+
+    print(f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} at the start; medians of {args.repeats}")
+    results: dict[str, list[dict]] = {}
+    kinds = []
+    if args.part in ("compiled", "all"):
+        kinds += [("compiled", str(seeds)) for seeds in args.seeds]
+    if args.part in ("process", "all"):
+        kinds += [("process", str(seeds)) for seeds in args.seeds]
+    if args.part in ("atari", "all"):
+        kinds += [("atari", "ppo_jax"), ("atari", "ppo_atari")]
+    for _ in range(args.repeats):
+        for kind in kinds:
+            results.setdefault(" ".join(kind), []).append(in_fresh_process(*kind, "--iterations", str(args.iterations),
+                                                                           "--warmup", str(args.warmup))
+                                                          if kind[0] == "atari" else in_fresh_process(*kind))
+    for name, runs in results.items():
+        loads = ", ".join(f"{a:.1f}-{b:.1f}" for a, b in (run["load"] for run in runs))
+        kind, value = name.split()
+        if kind == "compiled":
+            print(f"(a) CartPole-v1, 500k steps x {value} agent(s): trace {median_of(runs, 'trace_s'):.1f} s, "
+                  f"compile {median_of(runs, 'compile_s'):.1f} s, run {median_of(runs, 'run_s'):.1f} s "
+                  f"({median_of(runs, 'sps'):,.0f} SPS); worst agent's final return "
+                  f"{min(run['final_return_min'] for run in runs):.0f}   [load {loads}]")
+        elif kind == "process":
+            print(f"(b) python ppo_jax.py --num-seeds {value}: {median_of(runs, 'process_s'):.1f} s start to exit "
+                  f"(of which tracing and compiling {median_of(runs, 'compile_line_s'):.1f} s)   [load {loads}]")
+        else:
+            print(f"(c) {value} on Breakout, 8 games x 128 steps: {median_of(runs, 'sps'):,.0f} SPS | per iteration "
+                  f"{median_of(runs, 'seconds_per_iteration'):.2f} s = env {median_of(runs, 'env_s'):.2f} + "
+                  f"inference {median_of(runs, 'inference_s'):.2f} + update {median_of(runs, 'update_s'):.2f}"
+                  f"   [load {loads}]")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""ppo_jax.py on gymnax environments, through its command line as a user runs it, and its checkpoints."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import ppo_jax
+from conftest import ROOT
+from ppo_jax_runs import SCRIPT, environment, read_checkpoint, run, scalars  # noqa: F401 (fixtures)
+
+TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/clip_range",
+        "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/clipfrac",
+        "losses/explained_variance"]
+
+
+# CartPole with two agents, 16 updates of 4 envs x 64 steps, checkpoints every 8 updates.
+SMALL = ["--num-seeds", 2, "--num-steps", 64, "--total-timesteps", 4096, "--checkpoint-every", 8, "--seed", 3]
+
+
+@pytest.fixture(scope="module")
+def trained(run, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "cartpole"
+    result = run(*SMALL, "--run-dir", run_dir)
+    assert result.returncode == 0, result.stderr
+    return run_dir, result
+
+
+def test_training_leaves_events_per_agent_and_their_mean(trained):
+    run_dir, result = trained
+    mean, agents = scalars(run_dir), [scalars(run_dir / f"agent-{i}") for i in range(2)]
+    for logged in [mean, *agents]:
+        for tag in TAGS:
+            assert tag in logged, tag
+        assert [step for step, _ in logged["losses/policy_loss"]] == [256 * (u + 1) for u in range(16)]
+    assert "charts/SPS" in mean
+    # The run's curve is the mean of the agents' curves.
+    for tag in ["losses/value_loss", "charts/learning_rate"]:
+        expected = np.mean([[value for _, value in agent[tag]] for agent in agents], axis=0)
+        np.testing.assert_allclose([value for _, value in mean[tag]], expected, rtol=1e-5)
+    # Episodic returns are CartPole's real returns: one per step survived, so return == length.
+    for step, value in agents[0]["charts/episodic_return"]:
+        assert value == pytest.approx(dict(agents[0]["charts/episodic_length"])[step])
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    assert "hyperparameters/text_summary" in events.Tags()["tensors"]
+    assert "step 4,096/4,096 x 2 agents" in result.stderr and "SPS" in result.stderr
+    assert "compiled in" in result.stderr
+
+
+def test_checkpoint_holds_every_agent_and_its_environments(trained):
+    run_dir, _ = trained
+    checkpoint = read_checkpoint(run_dir / "checkpoint.msgpack")
+    assert checkpoint["format"] == "ppo_jax/1" and checkpoint["env_id"] == "CartPole-v1"
+    assert checkpoint["update"] == 16 and checkpoint["global_step"] == 4096
+    assert checkpoint["config"]["seed"] == 3 and checkpoint["config"]["num_seeds"] == 2
+    runners = checkpoint["runners"]
+    assert runners["update"].tolist() == [16, 16]
+    assert runners["obs"].shape == (2, 4, 4) and runners["key"].shape == (2, 2)  # agents x envs x obs; raw keys
+    assert not list(run_dir.glob("*.tmp"))
+
+
+def test_same_seed_same_run(trained, run, tmp_path):
+    run_dir, _ = trained
+    result = run(*SMALL, "--run-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "compiled in" in result.stderr
+    first, second = scalars(run_dir / "agent-1"), scalars(tmp_path / "agent-1")
+    for tag in ["losses/policy_loss", "losses/value_loss", "charts/episodic_return"]:
+        assert first[tag] == second[tag], tag
+
+
+def test_resume_continues_on_schedule(trained, run, tmp_path):
+    run_dir, _ = trained
+    result = run("--resume", run_dir / "checkpoint.msgpack", "--total-timesteps", 6144, "--run-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    rates = dict(scalars(tmp_path / "agent-0")["charts/learning_rate"])
+    assert sorted(rates) == [256 * (u + 1) for u in range(16, 24)]  # updates 17 to 24 of 24
+    assert rates[256 * 17] == pytest.approx(2.5e-4 * (1 - 16 / 24))
+    assert rates[256 * 24] == pytest.approx(2.5e-4 * (1 - 23 / 24))
+    assert dict(scalars(tmp_path)["charts/clip_range"])[256 * 24] == pytest.approx(0.2 * (1 - 23 / 24))
+    checkpoint = read_checkpoint(tmp_path / "checkpoint.msgpack")
+    assert checkpoint["update"] == 24 and checkpoint["config"]["total_timesteps"] == 6144
+
+
+@pytest.fixture(scope="module")
+def pieces():
+    """Two CartPole agents of 32-step rollouts, their first state, and `run_updates` compiled for pieces of 4."""
+    config = ppo_jax.Config(num_seeds=2, num_steps=32, total_timesteps=1024)
+    training = ppo_jax.build_training(config)
+    keys = ppo_jax.agent_keys(config)
+    return config, training, keys, jax.jit(jax.vmap(training.init))(keys), jax.jit(ppo_jax.make_run_updates(training, 4))
+
+
+def assert_same_runs(a, b):
+    for x, y in zip(jax.tree.leaves(ppo_jax.storable(a)), jax.tree.leaves(ppo_jax.storable(b))):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_run_resumed_from_its_checkpoint_is_the_same_run(pieces):
+    # Eight updates straight, against four, a trip through the checkpoint format, and four more:
+    # environment states, keys, Adam's moments and counters all come back, so the runs agree exactly.
+    config, training, keys, first, run_updates = pieces
+    straight, _ = run_updates(run_updates(first, 4)[0], 4)
+    halfway, _ = run_updates(first, 4)
+    state = ppo_jax.checkpoint_state(config, "CartPole-v1", 4, 512, runners=ppo_jax.storable(halfway))
+    stored = flax.serialization.msgpack_restore(flax.serialization.msgpack_serialize(state))
+    template = jax.eval_shape(lambda keys: ppo_jax.storable(jax.vmap(training.init)(keys)), keys)
+    restored = ppo_jax.restore_tree(template, stored["runners"], "memory")
+    resumed, _ = run_updates(restored._replace(key=jax.random.wrap_key_data(restored.key)), 4)
+    assert_same_runs(straight, resumed)
+
+
+def test_the_last_short_piece_skips_what_is_past_the_end(pieces):
+    # Three updates in a program of four: the fourth is skipped, and changes nothing.
+    _, _, _, first, run_updates = pieces
+    after_three, metrics = run_updates(first, 3)
+    assert after_three.update.tolist() == [3, 3] and np.all(metrics["learning_rate"][3] == 0)
+    one_by_one = first
+    for _ in range(3):
+        one_by_one, _ = run_updates(one_by_one, 1)
+    assert_same_runs(after_three, one_by_one)
+
+
+def test_eval_plays_every_agent(trained, run):
+    run_dir, _ = trained
+    result = run("--eval", run_dir / "checkpoint.msgpack", "--eval-episodes", 3)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].startswith("agent 0: return ") and lines[1].startswith("agent 1: return ")
+    assert lines[2].startswith("CartPole-v1: 2 agents x 3 episodes, return ") and "±" in lines[2]
+
+
+def test_a_truncated_episode_bootstraps_from_its_final_observation():
+    # Pendulum never terminates; every episode is cut at 200 steps. In a rollout of 201 steps, step
+    # 199 ends each episode: its next value must be V of the 200th state, not of the reset that
+    # replaced it, and every other step's next value is the next step's value.
+    config = ppo_jax.Config(env="Pendulum-v1", num_envs=2, num_steps=201, num_minibatches=1, total_timesteps=402)
+    training = ppo_jax.build_training(config)
+    runner = jax.jit(training.init)(jax.random.key(0))
+    _, rollout, _ = jax.jit(training.collect)(runner)
+    assert rollout.truncated[199].all() and not rollout.truncated[:199].any() and not rollout.terminated.any()
+    np.testing.assert_allclose(rollout.next_values[:199], rollout.values[1:200], rtol=1e-5, atol=1e-5)
+    # Replay the first episode of each environment without resets: its last observation, and its value.
+    env = training.env
+
+    def replay(state, actions):
+        def step(state, action):
+            _, state, _, _, _ = env.env.step_env(jax.random.key(0), state, jnp.clip(action, env.low, env.high),
+                                                   env.params)
+            return state, None
+
+        state, _ = jax.lax.scan(step, state, actions)
+        return env.env.get_obs(state)
+
+    final_obs = jax.jit(jax.vmap(replay, in_axes=(0, 1)))(runner.env_state, rollout.actions[:200])
+    _, final_values = training.network.apply(runner.agent.params, final_obs)
+    np.testing.assert_allclose(rollout.next_values[199], final_values, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(rollout.next_values[199], rollout.values[200], atol=1e-3)
+
+
+def test_minatar_trains_and_evaluates(run, tmp_path):
+    result = run("--env", "breakout-minatar", "--num-envs", 8, "--num-steps", 32, "--num-minibatches", 2,
+                 "--total-timesteps", 512, "--run-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Breakout-MinAtar: 1 agent(s)" in result.stderr
+    checkpoint = read_checkpoint(tmp_path / "checkpoint.msgpack")
+    # The MinAtar preset, but for the flags given; the small CNN's parameters.
+    assert checkpoint["config"]["learning_rate"] == 5e-4 and checkpoint["config"]["num_envs"] == 8
+    assert checkpoint["runners"]["obs"].shape == (1, 8, 10, 10, 4)
+    assert checkpoint["runners"]["agent"]["params"]["params"]["Convolution_0"]["Dense_0"]["kernel"].shape == (1, 36, 16)
+    assert set(TAGS[2:]) <= set(scalars(tmp_path))
+    result = run("--eval", tmp_path / "checkpoint.msgpack", "--eval-episodes", 2)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Breakout-MinAtar: 2 episodes, return ")
+
+
+def test_pendulum_trains_a_gaussian_policy_and_evaluates(run, tmp_path):
+    result = run("--env", "Pendulum-v1", "--num-envs", 4, "--num-steps", 64, "--num-minibatches", 4,
+                 "--update-epochs", 2, "--total-timesteps", 1024, "--run-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    checkpoint = read_checkpoint(tmp_path / "checkpoint.msgpack")
+    assert checkpoint["config"]["gamma"] == 0.95  # the continuous-control preset
+    assert checkpoint["runners"]["agent"]["params"]["params"]["log_std"].shape == (1, 1)
+    result = run("--eval", tmp_path / "checkpoint.msgpack", "--eval-episodes", 2)
+    assert result.returncode == 0, result.stderr
+    returns = float(result.stdout.split("return ")[1].split(" ")[0])
+    assert -2000 < returns < 0  # 200 steps of Pendulum's cost, between -16.3 and 0 each
+
+
+def one_line_error(result, message):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("ppo_jax.py: error:"), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--env", "CartPol"], "unknown environment 'CartPol'; did you mean CartPole-v1"),
+    (["--total-timesteps", "lots"], "invalid integer value: 'lots'"),
+    (["--num-minibatches", "3"], "does not split into 3 minibatches"),
+])
+def test_bad_input_through_the_command_line(run, args, message):
+    one_line_error(run(*args, timeout=60), message)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--env", "Breakot"], "unknown environment 'Breakot'; did you mean Breakout"),
+    (["--num-steps", "-5"], "--num-steps must be positive"),
+    (["--num-seeds", "0"], "--num-seeds must be positive"),
+    (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
+    (["--total-timesteps", "100"], "less than one batch"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--device", "tpu"], "invalid choice: 'tpu'"),
+    (["--capture-video"], "--capture-video records Atari evaluation games"),
+    (["--env", "Breakout", "--num-seeds", "4"], "an Atari run trains one agent"),
+    (["--eval", "missing.msgpack"], "checkpoint missing.msgpack does not exist"),
+    (["--eval", "a.msgpack", "--resume", "b.msgpack"], "cannot be used together"),
+])
+def test_bad_input_exits_2_with_one_line(args, message, capsys):
+    try:
+        status = ppo_jax.main(args)
+    except SystemExit as exit:  # argparse's own errors
+        status = exit.code
+    assert status == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("ppo_jax.py: error:"), lines
+
+
+def test_damaged_and_foreign_checkpoints_exit_2(trained, tmp_path, capsys):
+    run_dir, _ = trained
+    checkpoint_path = run_dir / "checkpoint.msgpack"
+
+    def error(*args):
+        assert ppo_jax.main([*map(str, args)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1
+        return lines[0]
+
+    damaged = tmp_path / "damaged.msgpack"
+    damaged.write_bytes(checkpoint_path.read_bytes()[:5000])
+    assert "the file is damaged or not a checkpoint" in error("--eval", damaged)
+    not_ours = tmp_path / "weights.msgpack"
+    not_ours.write_bytes(flax.serialization.msgpack_serialize({"params": {"w": np.zeros(3)}}))
+    assert f"{not_ours} is not a ppo_jax.py checkpoint" in error("--eval", not_ours)
+    assert "was trained on CartPole-v1, not Acrobot-v1" in error("--eval", checkpoint_path, "--env", "Acrobot-v1")
+    other = read_checkpoint(checkpoint_path)
+    other["runners"]["agent"]["params"]["params"]["policy"]["kernel"] = np.zeros((2, 64, 3), np.float32)
+    (tmp_path / "other.msgpack").write_bytes(flax.serialization.msgpack_serialize(other))
+    assert "holds a different network: ['params']['policy']['kernel'] is (2, 64, 3)" in error(
+        "--eval", tmp_path / "other.msgpack")
+    assert "keeps its --num-envs (4)" in error("--resume", checkpoint_path, "--num-envs", 8)
+    assert "already holds a checkpoint" in error("--run-dir", run_dir)
+
+
+def test_cuda_without_cuda_exits_2(run, tmp_path):
+    if any(device.platform == "gpu" for device in jax.devices()):
+        pytest.skip("this machine has a GPU")
+    one_line_error(run("--device", "cuda", "--run-dir", tmp_path), "no CUDA device")
+
+
+def test_ctrl_c_saves_a_checkpoint_between_pieces(environment, tmp_path):
+    process = subprocess.Popen([sys.executable, SCRIPT, "--total-timesteps", "100000000", "--checkpoint-every", "20",
+                                "--run-dir", str(tmp_path)], stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                               env=environment)
+    try:
+        for line in process.stderr:
+            if "compiled in" in line:
+                break
+        time.sleep(2)
+        process.send_signal(signal.SIGINT)
+        _, errors = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, errors
+    assert "stopped at update" in errors and "Traceback" not in errors
+    checkpoint = read_checkpoint(tmp_path / "checkpoint.msgpack")
+    assert checkpoint["update"] > 0 and checkpoint["update"] % 20 == 0
+    assert checkpoint["global_step"] == checkpoint["update"] * 512
+
+
+def test_a_nan_names_its_update_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    real_loss = ppo_jax.ppo_loss
+
+    def loss_that_breaks_from_update_3(*args):
+        terms = real_loss(*args)
+        clip_range = args[7]  # 0.2 * (1 - update / 8): below 0.151 from the third update (index 2) on
+        return terms._replace(loss=terms.loss * jnp.where(clip_range < 0.151, jnp.nan, 1.0))  # and its gradient
+
+    monkeypatch.setattr(ppo_jax, "ppo_loss", loss_that_breaks_from_update_3)
+    status = ppo_jax.main(["--total-timesteps", "2048", "--num-steps", "64", "--checkpoint-every", "2",
+                           "--run-dir", str(tmp_path)])
+    assert status == 1
+    assert "non-finite at update 3 (agent 0)" in capsys.readouterr().err
+    assert read_checkpoint(tmp_path / "checkpoint.msgpack")["update"] == 2

@@ -1,0 +1,256 @@
+"""The math of ppo_jax.py against references: GAE, the distributions, the loss, the schedules, the layers."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import ppo_jax
+
+
+def as_jax(*arrays):
+    return [jnp.asarray(a) for a in arrays]
+
+
+def test_gae_on_hand_checked_numbers():
+    # The numbers of ppo_atari's test: two games, four steps, gamma 0.9, lambda 0.5. Game 0 is
+    # truncated at step 1 (its final observation is worth 3.0) and terminated at step 2.
+    rewards = [[1.0, 0.0], [0.0, 0.0], [2.0, 0.0], [1.0, 1.0]]
+    values = [[0.5, 0.0], [1.0, 0.0], [0.2, 0.0], [0.4, 0.0]]
+    next_values = [[1.0, 0.0], [3.0, 0.0], [0.4, 0.0], [2.0, 0.0]]
+    terminated = np.array([[0, 0], [0, 0], [1, 0], [0, 0]], bool)
+    truncated = np.array([[0, 0], [1, 0], [0, 0], [0, 0]], bool)
+    advantages, returns = ppo_jax.compute_gae(*as_jax(rewards, values, next_values, terminated, truncated), 0.9, 0.5)
+    # A_3 = 1 + 0.9 * 2.0 - 0.4; A_2 = 2 - 0.2 (no bootstrap); A_1 = 0.9 * 3.0 - 1.0 (bootstrapped, cut);
+    # A_0 = 1 + 0.9 - 0.5 + 0.45 * A_1. Game 1: one reward at the end, 0.45 per step back.
+    expected = np.array([[2.165, 0.091125], [1.7, 0.2025], [1.8, 0.45], [2.4, 1.0]])
+    np.testing.assert_allclose(advantages, expected, rtol=1e-6)
+    np.testing.assert_allclose(returns, expected + np.array(values), rtol=1e-6)
+
+
+def gae_by_loop(rewards, values, next_values, terminated, truncated, gamma, gae_lambda):
+    """GAE the plain way: a Python loop backwards over time, one environment and one step at a time."""
+    num_steps, num_envs = rewards.shape
+    advantages = np.zeros((num_steps, num_envs))
+    for env in range(num_envs):
+        following = 0.0
+        for t in reversed(range(num_steps)):
+            bootstrap = 0.0 if terminated[t, env] else gamma * next_values[t, env]
+            delta = rewards[t, env] + bootstrap - values[t, env]
+            if terminated[t, env] or truncated[t, env]:
+                following = 0.0  # what follows belongs to the next episode
+            following = delta + gamma * gae_lambda * following
+            advantages[t, env] = following
+    return advantages
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_scanned_gae_equals_a_python_loop(seed):
+    rng = np.random.default_rng(seed)
+    shape = (64, 6)
+    rewards, values, next_values = (rng.normal(size=shape) for _ in range(3))
+    terminated = rng.random(shape) < 0.06
+    truncated = rng.random(shape) < 0.06
+    assert terminated.sum() > 5 and truncated.sum() > 5 and (terminated & truncated).any()
+    advantages, returns = ppo_jax.compute_gae(*as_jax(rewards, values, next_values, terminated, truncated), 0.97, 0.9)
+    expected = gae_by_loop(rewards, values, next_values, terminated, truncated, 0.97, 0.9)
+    np.testing.assert_allclose(advantages, expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(returns, expected + values, rtol=1e-4, atol=1e-5)
+
+
+def test_truncation_bootstraps_and_termination_does_not():
+    one = jnp.ones((1, 1))
+    yes, no = jnp.ones((1, 1), bool), jnp.zeros((1, 1), bool)
+    truncated, _ = ppo_jax.compute_gae(one, one * 0, one * 5, no, yes, 0.9, 0.95)
+    terminated, _ = ppo_jax.compute_gae(one, one * 0, one * 5, yes, no, 0.9, 0.95)
+    assert float(truncated[0, 0]) == pytest.approx(1 + 0.9 * 5) and float(terminated[0, 0]) == pytest.approx(1.0)
+
+
+def test_categorical_against_torch():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(200, 5)) * 3
+    logits[0] = [80.0, -80.0, 0.0, 1.0, 2.0]  # large logits: no overflow
+    actions = rng.integers(0, 5, 200)
+    policy = ppo_jax.Categorical(jnp.asarray(logits, jnp.float32))
+    reference = torch.distributions.Categorical(logits=torch.tensor(logits, dtype=torch.float64))
+    np.testing.assert_allclose(policy.log_prob(jnp.asarray(actions)), reference.log_prob(torch.tensor(actions)),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(policy.entropy(), reference.entropy(), rtol=1e-5, atol=1e-6)
+
+
+def test_categorical_samples_follow_the_probabilities():
+    logits = jnp.log(jnp.array([0.1, 0.2, 0.7]))
+    samples = ppo_jax.Categorical(jnp.broadcast_to(logits, (40_000, 3))).sample(jax.random.key(0))
+    frequencies = np.bincount(np.asarray(samples), minlength=3) / 40_000
+    np.testing.assert_allclose(frequencies, [0.1, 0.2, 0.7], atol=0.01)
+
+
+def test_gaussian_against_torch():
+    rng = np.random.default_rng(1)
+    mean, log_std, actions = rng.normal(size=(100, 3)), rng.normal(size=(100, 3)) * 0.5, rng.normal(size=(100, 3)) * 2
+    policy = ppo_jax.Gaussian(*as_jax(mean, log_std))
+    reference = torch.distributions.Normal(torch.tensor(mean), torch.tensor(log_std).exp())
+    np.testing.assert_allclose(policy.log_prob(jnp.asarray(actions)),
+                               reference.log_prob(torch.tensor(actions)).sum(-1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(policy.entropy(), reference.entropy().sum(-1), rtol=1e-5, atol=1e-5)
+    samples = ppo_jax.Gaussian(jnp.full((50_000, 1), 2.0), jnp.full((50_000, 1), math.log(0.5))).sample(jax.random.key(1))
+    assert float(samples.mean()) == pytest.approx(2.0, abs=0.01) and float(samples.std()) == pytest.approx(0.5, abs=0.01)
+
+
+def loss_on(ratios, advantages, clip_range=0.2, values=None, old_values=None, returns=None):
+    n = len(ratios)
+    values = jnp.zeros(n) if values is None else jnp.asarray(values)
+    old_values = jnp.zeros(n) if old_values is None else jnp.asarray(old_values)
+    returns = jnp.zeros(n) if returns is None else jnp.asarray(returns)
+
+    def policy_loss(log_probs):
+        return ppo_jax.ppo_loss(log_probs, jnp.zeros(n), jnp.asarray(advantages), values, old_values, returns,
+                                jnp.zeros(n), clip_range, 0.5, 0.01).policy_loss
+
+    def value_loss(values):
+        return ppo_jax.ppo_loss(jnp.zeros(n), jnp.zeros(n), jnp.asarray(advantages), values, old_values, returns,
+                                jnp.zeros(n), clip_range, 0.5, 0.01).value_loss
+
+    log_probs = jnp.log(jnp.asarray(ratios))
+    terms = jax.jit(ppo_jax.ppo_loss, static_argnums=(7, 8, 9))(log_probs, jnp.zeros(n), jnp.asarray(advantages), values,
+                                                                old_values, returns, jnp.zeros(n), clip_range, 0.5, 0.01)
+    return terms, jax.jit(jax.grad(policy_loss))(log_probs), jax.jit(jax.grad(value_loss))(values)
+
+
+def test_policy_loss_is_clipped_exactly_where_it_should_be():
+    ratios = [0.5, 0.9, 1.1, 1.5, 0.5, 0.9, 1.1, 1.5]
+    advantages = [1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0]
+    terms, gradient, _ = loss_on(ratios, advantages, clip_range=0.2)
+    # -min(r A, clip(r) A) per sample: the clip binds at r = 1.5 for A > 0 and at r = 0.5 for A < 0.
+    assert float(terms.policy_loss) == pytest.approx(np.mean([-0.5, -0.9, -1.1, -1.2, 0.8, 0.9, 1.1, 1.5]), rel=1e-5)
+    # d/d log pi of -(r A) is -r A, and 0 where the clipped term is the one taken.
+    np.testing.assert_allclose(gradient, np.array([-0.5, -0.9, -1.1, 0, 0, 0.9, 1.1, 1.5]) / 8, rtol=1e-5, atol=1e-7)
+    assert float(terms.clipfrac) == pytest.approx(4 / 8)
+
+
+def test_value_loss_is_clipped_around_the_old_prediction():
+    # Old prediction 0, target 1, clip 0.2: 0.1 is inside (plain error); 0.5 and 1.5 left the range
+    # and the clipped prediction 0.2 has the larger error (gradient 0); -0.5 moved away, its own error wins.
+    terms, _, gradient = loss_on([1.0] * 4, [0.0] * 4, values=[0.1, 0.5, 1.5, -0.5], old_values=[0.0] * 4,
+                                 returns=[1.0] * 4)
+    assert float(terms.value_loss) == pytest.approx(0.5 * np.mean([0.81, 0.64, 0.64, 2.25]), rel=1e-5)
+    np.testing.assert_allclose(gradient, [0.5 * 2 * (0.1 - 1) / 4, 0, 0, 0.5 * 2 * (-0.5 - 1) / 4], rtol=1e-5)
+
+
+def test_total_loss_and_kl_estimate():
+    terms, _, _ = loss_on([0.8, 1.25], [1.0, -2.0], clip_range=0.3, values=[1.0, 2.0], returns=[0.0, 0.0])
+    assert float(terms.loss) == pytest.approx(float(terms.policy_loss) + 0.5 * float(terms.value_loss), rel=1e-6)
+    assert float(terms.approx_kl) == pytest.approx(np.mean([(r - 1) - math.log(r) for r in [0.8, 1.25]]), rel=1e-4)
+    zeros = jnp.zeros(2)
+    bonus = ppo_jax.ppo_loss(zeros, zeros, zeros, zeros, zeros, zeros, jnp.array([1.0, 2.0]), 0.1, 0.5, 0.01)
+    assert float(bonus.loss) == pytest.approx(-0.01 * 1.5)
+
+
+@pytest.mark.parametrize("update, fraction", [(0, 1.0), (50, 0.5), (99, 0.01)])
+def test_linear_schedule_at_start_middle_and_end(update, fraction):
+    assert float(ppo_jax.linear_schedule(2.5e-4, update, 100)) == pytest.approx(2.5e-4 * fraction)
+    assert float(ppo_jax.linear_schedule(0.2, jnp.int32(update), 100)) == pytest.approx(0.2 * fraction)
+
+
+def test_explained_variance():
+    targets = jnp.array([1.0, 2.0, 3.0, 4.0])
+    assert float(ppo_jax.explained_variance(targets, targets)) == pytest.approx(1.0)
+    assert float(ppo_jax.explained_variance(jnp.full(4, 2.5), targets)) == pytest.approx(0.0)
+    assert math.isnan(float(ppo_jax.explained_variance(targets, jnp.ones(4))))
+
+
+@pytest.fixture(scope="module")
+def one_update():
+    """`run(k)`: the parameters before and after update `k` of 10 of a CartPole run (one epoch, one minibatch)."""
+    config = ppo_jax.Config(num_envs=2, num_steps=8, num_minibatches=1, update_epochs=1, total_timesteps=160,
+                            learning_rate=1e-3, clip_range=0.3)
+    training = ppo_jax.build_training(config)
+    runner = jax.jit(training.init)(jax.random.key(0))
+    update = jax.jit(training.update)
+
+    def run(k: int):
+        after, metrics = update(runner._replace(update=jnp.int32(k)))
+        return runner.agent.params, after.agent.params, metrics
+
+    return run
+
+
+@pytest.mark.parametrize("update, fraction", [(0, 1.0), (5, 0.5), (9, 0.1)])
+def test_the_annealed_learning_rate_is_the_one_applied(one_update, update, fraction):
+    before, after, metrics = one_update(update)
+    assert float(metrics["learning_rate"]) == pytest.approx(1e-3 * fraction)
+    assert float(metrics["clip_range"]) == pytest.approx(0.3 * fraction)
+    # Adam's first step moves every weight with a gradient by the learning rate (its direction is
+    # m / sqrt(v) = g / |g|), so the largest change of any weight is the rate of this update.
+    largest = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)))
+    assert largest == pytest.approx(1e-3 * fraction, rel=1e-3)
+
+
+def test_target_kl_stops_the_update_and_nothing_moves():
+    config = ppo_jax.Config(num_envs=2, num_steps=8, num_minibatches=2, update_epochs=4, total_timesteps=160,
+                            target_kl=1e-12, learning_rate=0.05)
+    network = ppo_jax.MLPActorCritic(2)
+    params = network.init(jax.random.key(0), jnp.zeros((1, 4)))
+    optimizer = ppo_jax.make_optimizer(config)
+    update_agent = ppo_jax.make_update_agent(network, optimizer, config)
+    shape = (8, 2)
+    rollout = ppo_jax.Rollout(jnp.ones(shape + (4,)), jnp.zeros(shape, jnp.int32), jnp.full(shape, -0.1),
+                              jnp.zeros(shape), jnp.zeros(shape), jnp.ones(shape), jnp.zeros(shape, bool),
+                              jnp.zeros(shape, bool))
+    agent, metrics = jax.jit(update_agent)(ppo_jax.Agent(params, optimizer.init(params)), rollout,
+                                           jax.random.key(1), 0.05, 0.2)
+    # The stored log-probabilities differ from the policy's, so the KL exceeds the target at once:
+    # no step is taken, the losses are those of no step (NaN), and the early stop is reported.
+    assert bool(metrics["stopped_early"]) and math.isnan(float(metrics["policy_loss"]))
+    for a, b in zip(jax.tree.leaves(agent.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kernel, stride, size", [(3, 1, 10), (8, 4, 84), (4, 2, 20), (3, 1, 9)])
+def test_convolution_as_patches_is_a_convolution(kernel, stride, size):
+    rng = np.random.default_rng(kernel)
+    x = jnp.asarray(rng.normal(size=(2, size, size, 5)), jnp.float32)
+    weights = jnp.asarray(rng.normal(size=(kernel, kernel, 5, 7)), jnp.float32)  # height, width, in, out
+    expected = jax.lax.conv_general_dilated(x, weights, (stride, stride), "VALID",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    # The same weights in the order `patches` lays a window out: blocks of stride x stride pixels
+    # (row, column), and within a block row, column, channel.
+    blocks = kernel // stride
+    matrix = weights.reshape(blocks, stride, blocks, stride, 5, 7).transpose(0, 2, 1, 3, 4, 5).reshape(-1, 7)
+    np.testing.assert_allclose(ppo_jax.patches(x, kernel, stride) @ matrix, expected, rtol=1e-4, atol=1e-4)
+
+
+def orthogonal_with_gain(matrix: np.ndarray, gain: float) -> bool:
+    gram = matrix.T @ matrix if matrix.shape[0] >= matrix.shape[1] else matrix @ matrix.T
+    return np.allclose(gram, gain ** 2 * np.eye(len(gram)), atol=1e-5)
+
+
+@pytest.mark.parametrize("network, obs", [(ppo_jax.MLPActorCritic(3), (4,)),
+                                          (ppo_jax.MLPActorCritic(2, continuous=True), (3,)),
+                                          (ppo_jax.MinAtarActorCritic(6), (10, 10, 4)),
+                                          (ppo_jax.NatureActorCritic(4), (4, 84, 84))])
+def test_initialisation_gains_and_first_policy(network, obs):
+    dtype = jnp.uint8 if len(obs) == 3 and obs[0] == 4 else jnp.float32
+    params = jax.jit(network.init)(jax.random.key(0), jnp.zeros((1,) + obs, dtype))
+    layers = jax.tree_util.tree_leaves_with_path(params)
+    kernels = [(jax.tree_util.keystr(path), np.asarray(leaf)) for path, leaf in layers if "kernel" in jax.tree_util.keystr(path)]
+    output_gains = {0.01: 0, 1.0: 0}
+    for name, kernel in kernels:
+        gain = next((g for g in (math.sqrt(2), 0.01, 1.0) if orthogonal_with_gain(kernel, g)), None)
+        assert gain is not None, name
+        if kernel.shape[1] in (1, getattr(network, "n_actions", getattr(network, "action_dim", None))) and gain != math.sqrt(2):
+            output_gains[gain] += 1
+    assert output_gains == {0.01: 1, 1.0: 1}  # one policy head at 0.01, one value head at 1
+    for path, leaf in layers:
+        if "bias" in jax.tree_util.keystr(path) or "log_std" in jax.tree_util.keystr(path):
+            assert not np.any(leaf)
+    policy, values = jax.jit(network.apply)(params, jnp.asarray(np.random.default_rng(0).integers(0, 2, (3,) + obs), dtype))
+    assert values.shape == (3,)
+    if isinstance(policy, ppo_jax.Categorical):
+        probabilities = jax.nn.softmax(policy.logits)
+        np.testing.assert_allclose(probabilities, 1 / probabilities.shape[-1], atol=0.02)  # nearly uniform
+    else:
+        np.testing.assert_allclose(policy.log_std, 0.0)
