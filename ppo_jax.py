@@ -892,12 +892,12 @@ class Convolution(nn.Module):
 
 
 class MLPActorCritic(nn.Module):
-    """For vector observations: a policy network and a value network, each two 64-unit tanh layers.
+    r"""For vector observations: a policy network and a value network, each two 64-unit tanh layers.
 
     The two share nothing, as in PPO's MuJoCo experiments: networks this small gain nothing from
     sharing, and the value loss cannot disturb the policy's features. For continuous actions the
     policy outputs the Gaussian's mean; its log standard deviation is a parameter of its own, the
-    same in every state, starting at 0 ($\\sigma = 1$).
+    same in every state, starting at 0 ($\sigma = 1$).
     """
 
     action_dim: int
@@ -1117,7 +1117,7 @@ class Batch(NamedTuple):
 
 
 def make_optimizer(config: Config) -> optax.GradientTransformation:
-    """Clip the gradient's global norm, then Adam's direction with $\\epsilon = 10^{-5}$ (PPO's reference code).
+    r"""Clip the gradient's global norm, then Adam's direction with $\epsilon = 10^{-5}$ (PPO's reference code).
 
     The learning rate is not part of it: `update_agent` multiplies Adam's direction by the annealed
     rate of each update, so the schedule lives in one visible line rather than in the optimizer's
