@@ -1038,7 +1038,10 @@ def ppo_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.Arr
 
     The value term clips the same way around the old prediction, as the paper's reference code
     does, and takes the larger error:
-    $L^V = \tfrac12 \mathbb{E}_t \max\left((V - R)^2, (V_\text{old} + \mathrm{clip}(V - V_\text{old}, -\epsilon, \epsilon) - R)^2\right)$.
+
+    $$L^V = \tfrac12 \mathbb{E}_t \max\left((V - R)^2,\;
+      (V_\text{old} + \mathrm{clip}(V - V_\text{old}, -\epsilon, \epsilon) - R)^2\right).$$
+
     The entropy bonus $S$ keeps the policy from collapsing early. In all,
     $L = L^\text{CLIP} + c_V L^V - c_S S$.
 
