@@ -13,6 +13,7 @@ pip install -r requirements.txt
 python vpg_continuous.py                          # HalfCheetah-v5; TensorBoard events in runs/
 python vpg_continuous.py --env Hopper-v5 --seed 2
 python vpg_continuous.py --eval runs/<run>/checkpoint.pt --capture-video
+torchrun --nproc_per_node 4 vpg_continuous.py      # data-parallel: see "Past one device"
 ```
 
 Any gymnasium task whose actions are a vector of reals works: the MuJoCo v5 tasks (HalfCheetah,
@@ -59,8 +60,9 @@ The page in order:
 4. Normalisation: `RunningMeanStd`, `ObservationNormalizer`, `RewardScaler`.
 5. The model: `GaussianPolicy` and `ValueFunction`.
 6. The math: `compute_gae`, then the policy gradient in `vpg_loss`.
-7. The trainer: sampling, updating, logging, checkpoints.
-8. Evaluation and `main()`.
+7. The trainer: sampling, updating, checkpoints, logging.
+8. Past one device (optional): data-parallel training under torchrun.
+9. Evaluation and `main()`.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ import traceback
 import typing
 from collections import deque
 from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
@@ -93,6 +96,7 @@ import cv2
 import gymnasium as gym
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 # ## Configuration
@@ -109,9 +113,9 @@ class Config:
     max_episode_steps: int | None = None
     """Cut each episode after this many steps, a truncation (default: the task's own limit, 1,000 for MuJoCo)."""
     total_timesteps: int = 1_000_000
-    """Environment steps to train for, summed over all envs."""
+    """Environment steps to train for, summed over all envs (of all ranks, under torchrun)."""
     num_envs: int = 8
-    """Environments played at once."""
+    """Environments played at once (by each rank, under torchrun)."""
     num_steps: int = 32
     """Steps each env plays per update; a batch is `num_envs * num_steps` transitions."""
     num_workers: int = 0
@@ -540,7 +544,8 @@ class Workers:
     """
 
     def __init__(self, env_id: str, num_envs: int, num_workers: int, seed: int, spaces: EnvSpaces,
-                 max_episode_steps: int | None = None, start_method: str | None = None, first_update: int = 0):
+                 max_episode_steps: int | None = None, start_method: str | None = None, first_update: int = 0,
+                 first_env: int = 0):
         context = mp.get_context(start_method)
         self.num_envs = num_envs
         self.spaces = spaces
@@ -548,7 +553,8 @@ class Workers:
         self.arrays = numpy_views(blocks)
         self.processes: list[mp.process.BaseProcess] = []
         self.connections: list[Connection] = []
-        seeds = env_seeds(seed, num_envs, first_update)
+        # Envs `first_env, first_env + 1, ...` of the run: each rank of a distributed run steps its own.
+        seeds = env_seeds(seed, first_env + num_envs, first_update)[first_env:]
         # Started with Ctrl-C ignored, so a Ctrl-C while they start (before they can ignore it
         # themselves) cannot reach them; the setting survives both fork and exec.
         in_main_thread = threading.current_thread() is threading.main_thread()
@@ -1039,7 +1045,7 @@ class Rollout(NamedTuple):
     truncated: torch.Tensor
 
 
-def choose_device(requested: str) -> torch.device:
+def choose_device(requested: str, local_rank: int = 0) -> torch.device:
     r"""The device the networks run on.
 
     `auto` is the CPU even where CUDA exists. At each sampling step the two networks see a batch
@@ -1051,11 +1057,16 @@ def choose_device(requested: str) -> torch.device:
     a run's time (`perf/update_seconds`: 35.6 s of 56 s over 200k HalfCheetah steps), again bound
     by the overhead per operation rather than by arithmetic. So there is little for a GPU to win
     at these sizes; `--device cuda` is for forks with much larger batches or networks. (No GPU was
-    at hand to time the crossover for this page.)
+    at hand to time the crossover for this page.) Under torchrun, `cuda` gives each rank the GPU
+    of its `LOCAL_RANK`.
     """
     if requested == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for, but torch finds no CUDA device")
-    return torch.device("cpu" if requested == "auto" else requested)
+    if requested != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 class Trainer:
@@ -1063,12 +1074,16 @@ class Trainer:
 
     `envs` needs `num_envs`, `spaces` (an `EnvSpaces`), `reset() -> obs` and
     `step(actions) -> VecStep`: the `Workers` above, or a small scripted task in the tests.
+    `ranks` makes it one of several data-parallel processes; by default it is the only one.
     """
 
-    def __init__(self, config: Config, envs, device: torch.device):
+    def __init__(self, config: Config, envs, device: torch.device, ranks: Ranks | None = None):
         self.config = config
         self.envs = envs
         self.device = device
+        # One process, unless torchrun started several (see "Past one device", after the trainer).
+        self.ranks = ranks or Ranks()
+        self.num_updates = config.total_timesteps // (config.batch_size * self.ranks.size)
         if device.type == "cpu":
             # One thread: these networks are too small to share out. A step of value fitting (a
             # minibatch of 64) took 1.5 ms on one thread and 11 to 22 ms on two, measured on a
@@ -1079,6 +1094,7 @@ class Trainer:
         self.action_low, self.action_high = spaces.action_low, spaces.action_high
         self.policy = GaussianPolicy(spaces.obs_dim, spaces.action_dim, config.state_dependent_std).to(device)
         self.value = ValueFunction(spaces.obs_dim).to(device)
+        self.ranks.broadcast_parameters(self.policy, self.value)
         # One Adam over both networks, a parameter group (and learning rate) each. A step on the
         # value loss alone leaves the policy's parameters without gradients, and Adam skips them.
         # eps 1e-5 rather than 1e-8, as in the PPO reference implementation.
@@ -1087,6 +1103,15 @@ class Trainer:
                                           eps=1e-5)
         self.obs_normalizer = ObservationNormalizer(spaces.obs_dim, enabled=config.normalize_observations)
         self.reward_scaler = RewardScaler(envs.num_envs, config.gamma) if config.normalize_rewards else None
+        # With several ranks each sees only its own envs; after every rollout they pool the
+        # statistics of what they saw, so that all of them normalise alike.
+        self.shared_statistics: list[SharedRunningMeanStd] = []
+        if self.ranks.size > 1:
+            self.obs_normalizer.stats = SharedRunningMeanStd((spaces.obs_dim,))
+            self.shared_statistics.append(self.obs_normalizer.stats)
+            if self.reward_scaler is not None:
+                self.reward_scaler.stats = SharedRunningMeanStd()
+                self.shared_statistics.append(self.reward_scaler.stats)
         self.update = 0
         self.global_step = 0
         shape = (config.num_steps, envs.num_envs)
@@ -1145,8 +1170,9 @@ class Trainer:
                 truncations.append((t, int(env), torch.from_numpy(self.obs_normalizer(step.final_obs[env]))))
             self.finished_episodes += step.finished_episodes
             self._observe(step.obs)
-        # Counted only for a whole rollout: one cut short by a stop request is discarded.
-        self.global_step += self.config.num_steps * self.envs.num_envs
+        # Counted only for a whole rollout (one cut short by a stop request is discarded), over all ranks.
+        self.global_step += self.config.num_steps * self.envs.num_envs * self.ranks.size
+        self.ranks.share_statistics(self.shared_statistics, self.device)
 
         started = time.perf_counter()
         # $V(s_{t+1})$ for every step: the next stored value, the value after the rollout for the
@@ -1165,6 +1191,7 @@ class Trainer:
         """One Adam step on `loss`, its gradient's norm clipped; refuses a NaN or infinite gradient."""
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        self.ranks.average_gradients(parameters)
         grad_norm = nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm)
         if not torch.isfinite(grad_norm):
             raise NonFiniteError(f"the loss or its gradient became {grad_norm.item()} at update "
@@ -1175,8 +1202,8 @@ class Trainer:
         """One VPG update on `rollout`: a policy-gradient step, then the value function's fit."""
         config = self.config
         started = time.perf_counter()
-        learning_rate = linear_schedule(config.learning_rate, self.update, config.num_updates)
-        value_learning_rate = linear_schedule(config.value_learning_rate, self.update, config.num_updates)
+        learning_rate = linear_schedule(config.learning_rate, self.update, self.num_updates)
+        value_learning_rate = linear_schedule(config.value_learning_rate, self.update, self.num_updates)
         self.optimizer.param_groups[0]["lr"] = learning_rate
         self.optimizer.param_groups[1]["lr"] = value_learning_rate
 
@@ -1187,9 +1214,9 @@ class Trainer:
         obs, actions = rollout.obs.flatten(0, 1), rollout.actions.flatten(0, 1)
         old_log_probs, old_values = rollout.log_probs.flatten(), rollout.values.flatten()
         advantages, returns = advantages.flatten(), returns.flatten()
-        # Normalise the advantages over the batch: the size of the step no longer depends on the
-        # scale of the rewards, and about half the actions are pushed up, half down.
-        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        # Normalise the advantages over the batch (of all ranks): the size of the step no longer
+        # depends on the scale of the rewards, and about half the actions are pushed up, half down.
+        advantages = self.ranks.normalize(advantages)
 
         # The policy-gradient step: one, on the whole batch. The value term of the loss reaches only
         # the value network's parameters (the networks share none): it is the first step of the
@@ -1216,28 +1243,31 @@ class Trainer:
                 self._gradient_step(config.vf_coef * value_loss, value_parameters,
                                     f"value fitting, pass {epoch + 1}")
         self.update += 1
-        stats = {name: value.item() for name, value in terms._asdict().items()}
-        stats.update(approx_kl=float(approx_kl), learning_rate=learning_rate,
-                     value_learning_rate=value_learning_rate,
-                     explained_variance=explained_variance(old_values, returns))
+        # What is logged, as means over the ranks: for the losses and the KL, means over equal
+        # batches, that is the means over the combined batch; for the explained variance, an average.
+        variance_explained = torch.tensor(explained_variance(old_values, returns), device=self.device)
+        logged = torch.stack([*(term.detach() for term in terms), approx_kl, variance_explained])
+        stats = dict(zip(LossTerms._fields + ("approx_kl", "explained_variance"), self.ranks.mean(logged).tolist()))
+        stats.update(learning_rate=learning_rate, value_learning_rate=value_learning_rate)
         self.timings["update"] += time.perf_counter() - started
         return stats
 
     # ### Checkpoints
     #
     # A checkpoint holds all the state of training: both networks, Adam's moments, the running
-    # statistics of observations and rewards, the counters, the random state and the
+    # statistics of observations and rewards, the counters, the random state of every rank and the
     # configuration. The envs themselves restart on resume; their simulator state is not saved.
 
     def state_dict(self) -> dict:
+        """The state to save. With several ranks, every rank must call it: it gathers their random states."""
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.zeros(0, dtype=torch.uint8)
         return {"format": CHECKPOINT_FORMAT, "config": dataclasses.asdict(self.config),
-                "update": self.update, "global_step": self.global_step,
+                "update": self.update, "global_step": self.global_step, "ranks": self.ranks.size,
                 "policy": self.policy.state_dict(), "value": self.value.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "obs_normalizer": self.obs_normalizer.state_dict(),
                 "reward_scaler": self.reward_scaler.stats.state_dict() if self.reward_scaler else None,
-                "torch_rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []}
+                "torch_rng": self.ranks.gather(torch.get_rng_state()), "cuda_rng": self.ranks.gather(cuda_rng)}
 
     def load_state_dict(self, checkpoint: dict) -> None:
         self.policy.load_state_dict(checkpoint["policy"])
@@ -1247,9 +1277,9 @@ class Trainer:
         if self.reward_scaler is not None and checkpoint["reward_scaler"] is not None:
             self.reward_scaler.stats.load_state_dict(checkpoint["reward_scaler"])
         self.update, self.global_step = checkpoint["update"], checkpoint["global_step"]
-        torch.set_rng_state(checkpoint["torch_rng"])
-        if self.device.type == "cuda" and checkpoint["cuda_rng"]:
-            torch.cuda.set_rng_state_all(checkpoint["cuda_rng"])
+        torch.set_rng_state(checkpoint["torch_rng"][self.ranks.rank])
+        if self.device.type == "cuda" and len(checkpoint["cuda_rng"][self.ranks.rank]):
+            torch.cuda.set_rng_state(checkpoint["cuda_rng"][self.ranks.rank], self.device)
 
 
 CHECKPOINT_FORMAT = "vpg_continuous/1"
@@ -1330,11 +1360,15 @@ def format_duration(seconds: float) -> str:
 class StopRequest:
     """Turns Ctrl-C (SIGINT) and SIGTERM into a request to stop at the next safe point.
 
-    Training then saves a checkpoint and exits. A second Ctrl-C interrupts at once.
+    Training then saves a checkpoint and exits. A second signal aborts at once, unless it comes
+    within `same_within` seconds of the first: under torchrun a terminal's Ctrl-C reaches each rank
+    twice, from the terminal and passed on by torchrun, and the two are one request.
     """
 
-    def __init__(self):
+    def __init__(self, announce: bool = True, same_within: float = 0.0):
         self.signal: int | None = None
+        self.received = 0.0
+        self.announce, self.same_within = announce, same_within
 
     def __call__(self) -> bool:
         return self.signal is not None
@@ -1344,20 +1378,23 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame) -> None:
-        self.signal = signum
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
-              "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+        if self.signal is None:
+            self.signal, self.received = signum, time.monotonic()
+            if self.announce:
+                print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
+                      "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+        elif time.monotonic() - self.received >= self.same_within:
+            raise KeyboardInterrupt
 
     def __exit__(self, *exc_info) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
 
-def hyperparameter_table(config: Config, env_id: str) -> str:
+def hyperparameter_table(config: Config, env_id: str, ranks: int = 1) -> str:
     rows = [f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items()]
-    return "|parameter|value|\n|-|-|\n" + "\n".join([f"|env_id|{env_id}|"] + rows)
+    first = [f"|env_id|{env_id}|"] + ([f"|ranks|{ranks}|"] if ranks > 1 else [])
+    return "|parameter|value|\n|-|-|\n" + "\n".join(first + rows)
 
 
 def default_run_dir(config: Config, env_id: str) -> Path:
@@ -1371,78 +1408,128 @@ def checkpoint_state(trainer: Trainer, env_id: str) -> dict:
 
 def train(config: Config, env_id: str, spaces: EnvSpaces, checkpoint: dict | None = None) -> int:
     """Train, log and checkpoint; the exit status of the run."""
-    from torch.utils.tensorboard import SummaryWriter
-
+    ranks = Ranks.from_environment()
     if checkpoint is not None:
         run_dir = Path(config.run_dir or Path(config.resume).parent)
+        if checkpoint["ranks"] != ranks.size:
+            raise ConfigError(f"checkpoint {config.resume} was written by a run of {checkpoint['ranks']} rank(s); "
+                              f"resume it with as many, not {ranks.size}")
     else:
         run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config, env_id)
-        if (run_dir / "checkpoint.pt").exists():
+        if ranks.is_main and (run_dir / "checkpoint.pt").exists():
             raise ConfigError(f"{run_dir} already holds a checkpoint; resume it with --resume "
                               f"{run_dir / 'checkpoint.pt'} or choose another --run-dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint_path = run_dir / "checkpoint.pt"
-    torch.manual_seed(config.seed)
-    num_workers = config.num_workers or min(config.num_envs, len(os.sched_getaffinity(0))
-                                            if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    if config.total_timesteps < config.batch_size * ranks.size:
+        raise ConfigError(f"--total-timesteps {config.total_timesteps} is less than one batch of the {ranks.size} "
+                          f"ranks ({config.batch_size * ranks.size} = ranks x num envs x num steps)")
+    torch.manual_seed(config.seed + ranks.rank)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    num_workers = config.num_workers or max(1, min(config.num_envs, cores // ranks.local_size))
     start_method = None if config.start_method == "default" else config.start_method
     first_update = checkpoint["update"] if checkpoint is not None else 0
     # The workers start before anything touches CUDA or starts a thread (TensorBoard's writer does),
     # so that forking them is safe.
     with Workers(env_id, config.num_envs, num_workers, config.seed, spaces, config.max_episode_steps, start_method,
-                 first_update) as envs:
-        device = choose_device(config.device)
-        trainer = Trainer(config, envs, device)
-        if checkpoint is not None:
-            restore_networks({"policy": trainer.policy, "value": trainer.value}, checkpoint, config.resume)
-            trainer.load_state_dict(checkpoint)
+                 first_update, first_env=ranks.rank * config.num_envs) as envs:
+        device = choose_device(config.device, ranks.local_rank)
+        ranks.start(device)
+        try:
+            return train_with(config, env_id, checkpoint, envs, device, ranks, run_dir, num_workers)
+        finally:
+            ranks.close()
+
+
+def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Workers, device: torch.device,
+               ranks: Ranks, run_dir: Path, num_workers: int) -> int:
+    """The training loop of `train`, once the envs and the device are ready."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    trainer = Trainer(config, envs, device, ranks=ranks)
+    if checkpoint is not None:
+        restore_networks({"policy": trainer.policy, "value": trainer.value}, checkpoint, config.resume)
+        trainer.load_state_dict(checkpoint)
+    checkpoint_path = run_dir / "checkpoint.pt"
+
+    def write_checkpoint() -> None:
+        state = checkpoint_state(trainer, env_id)  # every rank takes part: it gathers their random states
+        if ranks.is_main:
+            save_checkpoint(state, checkpoint_path)
+
+    writer, progress = None, Progress(config.total_timesteps, trainer.global_step)
+    if ranks.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
         writer = SummaryWriter(str(run_dir))
         if checkpoint is None:
-            writer.add_text("hyperparameters", hyperparameter_table(config, env_id))
-        print(f"{env_id}: training on {device}, {config.num_envs} envs in {num_workers} workers; "
+            writer.add_text("hyperparameters", hyperparameter_table(config, env_id, ranks.size))
+        across = f" on each of {ranks.size} ranks" if ranks.size > 1 else ""
+        print(f"{env_id}: training on {device}, {config.num_envs} envs in {num_workers} workers{across}; "
               f"logs and checkpoints in {run_dir}", file=sys.stderr)
-        progress = Progress(config.total_timesteps, trainer.global_step)
-        try:
-            with StopRequest() as stop:
-                while trainer.update < config.num_updates:
-                    iteration_started = dict(trainer.timings)
-                    rollout = trainer.collect_rollout(stop)
-                    if rollout is None:
-                        break
-                    stats = trainer.update_policy(rollout)
-                    log_update(writer, trainer, stats, progress, iteration_started)
-                    if trainer.update % config.checkpoint_every == 0:
-                        save_checkpoint(checkpoint_state(trainer, env_id), checkpoint_path)
-                    if stop():
-                        break
-            save_checkpoint(checkpoint_state(trainer, env_id), checkpoint_path)
-            progress.show(trainer.global_step, final=True)
-            if stop():
-                print(f"stopped at update {trainer.update}; resume with --resume {checkpoint_path}", file=sys.stderr)
-                return 128 + stop.signal
-            print(f"done: {trainer.global_step:,} steps; checkpoint in {checkpoint_path}", file=sys.stderr)
-            return 0
-        except WorkerError as error:
-            # The networks are whole (the update had not begun), so save them before reporting.
-            save_checkpoint(checkpoint_state(trainer, env_id), checkpoint_path)
+    # The loop of training: sample a rollout, update on it, log, and write a checkpoint every
+    # `checkpoint_every` updates and at the end. Ctrl-C or SIGTERM asks it to stop at the next safe
+    # point, between two steps of the envs (the unfinished rollout is dropped) or after an update;
+    # the checkpoint is then written and the exit status is 128 plus the signal's number. With
+    # several ranks a rollout always finishes, and the ranks agree after each update on whether any
+    # of them was asked to stop.
+    stopped_by = 0
+    try:
+        with StopRequest(announce=ranks.is_main, same_within=1.0 if ranks.size > 1 else 0.0) as stop:
+            while trainer.update < trainer.num_updates:
+                iteration_started = dict(trainer.timings)
+                rollout = trainer.collect_rollout(stop if ranks.size == 1 else lambda: False)
+                if rollout is None:
+                    stopped_by = stop.signal
+                    break
+                stats = trainer.update_policy(rollout)
+                finished_episodes = [episode for episodes in ranks.gather(trainer.finished_episodes)
+                                     for episode in episodes]
+                if ranks.is_main:
+                    log_update(writer, trainer, stats, finished_episodes, progress, iteration_started)
+                if trainer.update % config.checkpoint_every == 0:
+                    write_checkpoint()
+                stopped_by = ranks.largest(stop.signal or 0, device)
+                if stopped_by:
+                    break
+        write_checkpoint()
+        if not ranks.is_main:
+            return 128 + stopped_by if stopped_by else 0
+        progress.show(trainer.global_step, final=True)
+        if stopped_by:
+            print(f"stopped at update {trainer.update}; resume with --resume {checkpoint_path}", file=sys.stderr)
+            return 128 + stopped_by
+        print(f"done: {trainer.global_step:,} steps; checkpoint in {checkpoint_path}", file=sys.stderr)
+        return 0
+    # A worker fails while the envs are stepped, before the update begins: the networks are whole,
+    # so a single process saves them before reporting. (With several ranks the others cannot join
+    # in writing it; torchrun stops them, and the last checkpoint stays.)
+    except WorkerError as error:
+        if ranks.size == 1:
+            write_checkpoint()
             print(f"\n{error}\ncheckpoint of update {trainer.update} saved in {checkpoint_path}", file=sys.stderr)
-            return 1
-        except NonFiniteError as error:
-            kept = f"the last good checkpoint is {checkpoint_path}" if checkpoint_path.exists() else "no checkpoint was written"
-            print(f"\n{error}; {kept}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print(f"\naborted; the last checkpoint written is in {checkpoint_path}", file=sys.stderr)
-            return 130
-        finally:
+        else:
+            print(f"\nrank {ranks.rank}: {error}", file=sys.stderr)
+        return 1
+    except NonFiniteError as error:
+        kept = f"the last good checkpoint is {checkpoint_path}" if checkpoint_path.exists() else "no checkpoint was written"
+        print(f"\n{error}; {kept}", file=sys.stderr)
+        return 1
+    except RankFailure as error:
+        print(f"\n{error}; the last checkpoint written is in {checkpoint_path}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\naborted; the last checkpoint written is in {checkpoint_path}", file=sys.stderr)
+        return 130
+    finally:
+        if writer is not None:
             writer.close()
 
 
-def log_update(writer, trainer: Trainer, stats: dict, progress: Progress, timings_before: dict) -> None:
+def log_update(writer, trainer: Trainer, stats: dict, finished_episodes: list, progress: Progress,
+               timings_before: dict) -> None:
     """CleanRL's tags, so curves compare across projects. VPG has no clip range, so no
-    `charts/clip_range` or `losses/clipfrac`; `losses/approx_kl` is how far the one step moved the policy."""
+    `charts/clip_range` or `losses/clipfrac`; `losses/approx_kl` is how far the one step moved the policy.
+    `finished_episodes` are those of every rank."""
     step = trainer.global_step
-    for _, episode_return, length in trainer.finished_episodes:
+    for _, episode_return, length in finished_episodes:
         writer.add_scalar("charts/episodic_return", episode_return, step)
         writer.add_scalar("charts/episodic_length", length, step)
         progress.returns.append(episode_return)
@@ -1453,6 +1540,211 @@ def log_update(writer, trainer: Trainer, stats: dict, progress: Progress, timing
     for name, seconds in trainer.timings.items():
         writer.add_scalar(f"perf/{name}_seconds", seconds - timings_before.get(name, 0.0), step)
     progress.show(step)
+
+
+# ## Past one device: data-parallel training with torchrun
+#
+# This section is optional: without torchrun there is one rank, every method of `Ranks` returns at
+# once, and the script runs exactly as the sections above describe.
+#
+# `torchrun --nproc_per_node N vpg_continuous.py --env HalfCheetah-v5` starts N copies of this
+# script, the *ranks*; `torchrun --nnodes M --nproc_per_node N --rdzv-endpoint HOST:PORT ...`
+# spreads them over M machines. Each rank steps its own `num_envs` envs, seeded with the next
+# seeds of the run after those of the rank before it, and collects its own rollout: a batch holds N
+# times as many transitions, and `--total-timesteps` counts the steps of all ranks. All keep the
+# same networks, which start from rank 0's initialisation. Rank 0 alone writes the logs and the
+# checkpoints. Three things make an update the single-process update on the combined batch:
+#
+# * **Gradients are averaged** over the ranks after each backward pass. The mean of the ranks'
+#   gradients of means over equal batches is the gradient of the mean over the combined batch, so
+#   every rank takes the same clipped Adam step and the parameters never drift apart.
+# * **Advantages are normalised** with the mean and standard deviation of the combined batch, from
+#   the sums $\sum_i \hat A_i$, $\sum_i \hat A_i^2$ and the count, added over the ranks.
+# * **The running statistics are pooled** after every rollout, those of the observations and those
+#   of the returns that scale the rewards. During a rollout each rank folds in what its own envs
+#   show, as one process does; then the ranks exchange the statistics of what each saw in that
+#   rollout and merge them, in rank order, into those they agreed on after the previous rollout
+#   (`SharedRunningMeanStd`). Every rank then holds the same mean, variance and count: those of
+#   every observation of every rank. Pooling at every step instead would make the ranks wait for
+#   each other 32 times an update, for statistics that one rollout moves little once the first few
+#   are in.
+#
+# **An explicit all-reduce, not DDP.** We average the gradients with one all-reduce of all of them
+# rather than wrap the networks in `DistributedDataParallel`. DDP's gain is to overlap the
+# communication with the backward pass, bucket by bucket, which pays for large models on fast
+# links; these two networks hold 39k parameters on HalfCheetah, 150 KB, one message. And VPG's
+# update does not fit DDP's mould: the policy-gradient step reaches both networks and value fitting
+# only one, and both are also called outside any update, to sample. The explicit version is the
+# math above, line for line. The backend is NCCL between GPUs and gloo between CPUs (the default device).
+#
+# **What more ranks buy.** Steps per second, not learning per sample. VPG takes one policy step
+# per batch and N ranks make the batch N times larger, so at a fixed `--total-timesteps` the policy
+# moves N times fewer times, and the module docstring found small batches to learn more from each
+# step of experience. To keep a single process's batch, give each rank `--num-envs` divided by N:
+# the sampling is then shared out, but an update costs a rank about what it cost one process
+# (overhead per operation, see `choose_device`), so ranks pay off best in forks with larger
+# batches or networks.
+#
+# A checkpoint holds the random state of every rank; resume it with as many ranks. Ctrl-C stops
+# every rank after the current update, with a checkpoint written. A rank that fails breaks the
+# connections of the next collective operation, and the others stop with a one-line `RankFailure`
+# rather than wait for it. (NCCL does not notice; torchrun ends the others when it sees one fail.)
+
+
+class RankFailure(RuntimeError):
+    """A collective operation failed: another rank died or left."""
+
+
+class Ranks:
+    """The processes of a data-parallel run and the few collective operations that VPG needs.
+
+    `Ranks()` is a run of one process; `Ranks.from_environment()` reads what torchrun sets
+    (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`).
+    """
+
+    def __init__(self, size: int = 1, rank: int = 0, local_rank: int = 0, local_size: int = 1):
+        self.size, self.rank, self.local_rank, self.local_size = size, rank, local_rank, local_size
+
+    @classmethod
+    def from_environment(cls) -> Ranks:
+        env = os.environ
+        return cls(int(env.get("WORLD_SIZE", 1)), int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)),
+                   int(env.get("LOCAL_WORLD_SIZE", 1)))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def start(self, device: torch.device) -> None:
+        """Join the process group: NCCL between GPUs, gloo between CPUs. A rank that hangs without
+        dying holds the others for at most 10 minutes (the timeout of every collective)."""
+        if self.size > 1:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+
+    def close(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _collective(self, operation, *args, **kwargs):
+        """Run a collective operation of `torch.distributed`; a rank that died or left is a `RankFailure`."""
+        try:
+            return operation(*args, **kwargs)
+        except RuntimeError as error:  # gloo: the connection to the rank that died was closed or reset
+            # gloo says where in its source the connection broke, then why: keep the why.
+            reason = str(error).strip().splitlines()[0].split("] ")[-1].split(". ")[0]
+            raise RankFailure(f"rank {self.rank}: another rank failed or left ({reason})") from None
+
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The mean of `tensor` over the ranks."""
+        if self.size == 1:
+            return tensor
+        total = tensor.clone()
+        self._collective(dist.all_reduce, total)
+        return total / self.size
+
+    def average_gradients(self, parameters: list[nn.Parameter]) -> None:
+        """Replace each gradient by its mean over the ranks, in one message for all of them."""
+        if self.size == 1:
+            return
+        gradients = [p.grad for p in parameters]
+        flat = self.mean(torch.cat([g.flatten() for g in gradients]))
+        for gradient, average in zip(gradients, flat.split([g.numel() for g in gradients])):
+            gradient.copy_(average.view_as(gradient))
+
+    def normalize(self, advantages: torch.Tensor) -> torch.Tensor:
+        r"""Advantages minus their mean, over their standard deviation, both over the combined batch.
+
+        With several ranks, the mean $\mu = S_1 / n$ and the unbiased variance
+        $(S_2 - n \mu^2) / (n - 1)$ come from $S_1 = \sum_i \hat A_i$, $S_2 = \sum_i \hat A_i^2$
+        and the count $n$, each added over the ranks.
+        """
+        if self.size == 1:
+            return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        sums = torch.stack([advantages.sum(), advantages.pow(2).sum(),
+                            torch.tensor(float(advantages.numel()), device=advantages.device)])
+        self._collective(dist.all_reduce, sums)
+        total, squares, count = sums
+        mean = total / count
+        variance = (squares - count * mean ** 2) / (count - 1)
+        return (advantages - mean) / (variance.clamp(min=0).sqrt() + 1e-8)
+
+    def broadcast_parameters(self, *networks: nn.Module) -> None:
+        """Start every rank from rank 0's initialisation."""
+        if self.size > 1:
+            for network in networks:
+                for tensor in network.state_dict().values():
+                    self._collective(dist.broadcast, tensor, src=0)
+
+    def share_statistics(self, statistics: list[SharedRunningMeanStd], device: torch.device) -> None:
+        """Pool what every rank's `statistics` saw since they were last pooled, in one message."""
+        if self.size == 1 or not statistics:
+            return
+        vectors = [stats.fresh_vector() for stats in statistics]
+        mine = torch.from_numpy(np.concatenate(vectors)).to(device)
+        everyone = [torch.empty_like(mine) for _ in range(self.size)]
+        self._collective(dist.all_gather, everyone, mine)
+        everyone = [vector.cpu().numpy() for vector in everyone]
+        ends = np.cumsum([len(vector) for vector in vectors])
+        for stats, start, end in zip(statistics, [0, *ends[:-1]], ends):
+            stats.agree([vector[start:end] for vector in everyone])
+
+    def largest(self, value: int, device: torch.device) -> int:
+        """The largest of the ranks' values: the signal that stops them all, or 0 if none came."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], device=device)
+        self._collective(dist.all_reduce, tensor, op=dist.ReduceOp.MAX)
+        return int(tensor.item())
+
+    def gather(self, value) -> list:
+        """Every rank's `value`, in rank order (for checkpoints and logs)."""
+        if self.size == 1:
+            return [value]
+        values = [None] * self.size
+        self._collective(dist.all_gather_object, values, value)
+        return values
+
+
+class SharedRunningMeanStd(RunningMeanStd):
+    """Running statistics that the ranks pool after every rollout, to hold the same ones.
+
+    Between two poolings a rank folds its own batches in at every step, as `RunningMeanStd` does,
+    and also keeps their statistics apart in `fresh`. Pooling (`Ranks.share_statistics`) gathers
+    every rank's `fresh` and `agree` merges them, in rank order, into `agreed`, the statistics all
+    ranks held after the last pooling. Every rank does the same merges in the same order, so all
+    end with the same numbers, to the last bit: the statistics of every batch of every rank, as
+    one process that saw them all would hold them (up to rounding).
+    """
+
+    def __init__(self, shape: tuple[int, ...] = ()):
+        super().__init__(shape)
+        self.agreed = RunningMeanStd(shape)
+        self.fresh = RunningMeanStd(shape)
+
+    def update(self, batch: np.ndarray) -> None:
+        batch_stats = RunningMeanStd.of(batch)
+        self.merge(batch_stats)
+        self.fresh.merge(batch_stats)
+
+    def fresh_vector(self) -> np.ndarray:
+        """`fresh` as one float64 vector (count, mean, variance), to send to the other ranks."""
+        return np.concatenate([[self.fresh.count], np.ravel(self.fresh.mean), np.ravel(self.fresh.var)])
+
+    def agree(self, vectors: list[np.ndarray]) -> None:
+        """Merge every rank's `fresh_vector`, in rank order, into `agreed`, and hold the result."""
+        shape, size = np.shape(self.agreed.mean), np.size(self.agreed.mean)
+        for vector in vectors:
+            theirs = RunningMeanStd(shape)
+            theirs.count = int(vector[0])
+            theirs.mean, theirs.var = vector[1:1 + size].reshape(shape), vector[1 + size:].reshape(shape)
+            self.agreed.merge(theirs)
+        self.mean, self.var, self.count = np.copy(self.agreed.mean), np.copy(self.agreed.var), self.agreed.count
+        self.fresh = RunningMeanStd(shape)
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.agreed.load_state_dict(state)
+        self.fresh = RunningMeanStd(np.shape(self.mean))
 
 
 # ## Evaluation

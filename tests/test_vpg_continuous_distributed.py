@@ -1,0 +1,295 @@
+"""vpg_continuous.py past one device: data-parallel ranks (gloo on CPU), directly and under torchrun."""
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import vpg_continuous as vpg
+from conftest import ROOT
+
+SCRIPT = str(ROOT / "vpg_continuous.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DriftingTask:
+    """A vector env from its own seed: observations on scales from 1 to 100 that drift away from 0,
+    random rewards and episode ends. It records what the trainer's running statistics should see."""
+
+    def __init__(self, num_envs: int, seed: int):
+        self.num_envs = num_envs
+        self.spaces = vpg.EnvSpaces(3, np.array([-1.0]), np.array([1.0]))
+        self.rng = np.random.default_rng(seed)
+        self.t = 0
+        self.observations, self.rewards, self.done = [], [], []
+
+    def _observe(self) -> np.ndarray:
+        obs = (self.rng.normal(size=(self.num_envs, 3)) + 0.1 * self.t) * np.array([1.0, 10.0, 100.0])
+        self.observations.append(obs.copy())
+        return obs
+
+    def reset(self) -> np.ndarray:
+        return self._observe()
+
+    def step(self, actions: np.ndarray) -> vpg.VecStep:
+        self.t += 1
+        obs = self._observe()
+        rewards = self.rng.normal(size=self.num_envs) + actions[:, 0]
+        terminated = self.rng.random(self.num_envs) < 0.1
+        truncated = ~terminated & (self.rng.random(self.num_envs) < 0.1)
+        final_obs = self.rng.normal(size=(self.num_envs, 3))
+        self.rewards.append(rewards)
+        self.done.append(terminated | truncated)
+        finished = [(int(env), 1.0, 1) for env in np.flatnonzero(terminated | truncated)]
+        return vpg.VecStep(obs, rewards, terminated, truncated, final_obs, finished)
+
+
+# Full-batch value fitting (num_minibatches=1), so that the update of each rank on its half is the
+# update of one process on the whole, whatever order each rank shuffles its batch in.
+CONFIG = dict(num_envs=2, num_steps=8, num_minibatches=1, value_epochs=2, total_timesteps=32 * 10)
+UPDATES = 3
+
+
+def statistics(trainer: vpg.Trainer) -> dict:
+    return {"obs": trainer.obs_normalizer.state_dict(), "rewards": trainer.reward_scaler.stats.state_dict()}
+
+
+def run_rank(rank: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(100 + rank)  # different initialisations: the broadcast must make them equal
+    envs = DriftingTask(2, seed=rank)
+    trainer = vpg.Trainer(vpg.Config(**CONFIG), envs, torch.device("cpu"), ranks=vpg.Ranks(size=2, rank=rank))
+    initial = {name: {k: v.clone() for k, v in network.state_dict().items()}
+               for name, network in [("policy", trainer.policy), ("value", trainer.value)]}
+    rollouts, stats = [], []
+    for _ in range(UPDATES):
+        rollout = trainer.collect_rollout()
+        rollouts.append({name: x.clone() for name, x in rollout._asdict().items()})
+        stats.append(trainer.update_policy(rollout))
+    torch.save({"initial": initial, "final": {"policy": trainer.policy.state_dict(), "value": trainer.value.state_dict()},
+                "rollouts": rollouts, "stats": stats, "statistics": statistics(trainer),
+                "observations": np.concatenate(envs.observations), "rewards": np.stack(envs.rewards),
+                "done": np.stack(envs.done)}, out)
+    dist.destroy_process_group()
+
+
+def start_ranks(target, folder: Path) -> list:
+    port = free_port()
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=target, args=(rank, port, str(folder / f"rank{rank}.pt"))) for rank in range(2)]
+    for process in processes:
+        process.start()
+    return processes
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Two gloo ranks, each with its own envs, through `UPDATES` updates of the real trainer."""
+    folder = tmp_path_factory.mktemp("ranks")
+    for process in start_ranks(run_rank, folder):
+        process.join(timeout=120)
+        assert process.exitcode == 0
+    return [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+
+
+def test_ranks_start_equal_and_stay_identical(two_ranks):
+    rank0, rank1 = two_ranks
+    for network in ["policy", "value"]:
+        for name, initial in rank0["initial"][network].items():
+            torch.testing.assert_close(rank1["initial"][network][name], initial, rtol=0, atol=0)
+            torch.testing.assert_close(rank1["final"][network][name], rank0["final"][network][name], rtol=0, atol=0)
+            assert not torch.equal(rank0["final"][network][name], initial)
+    # Each rank stepped its own envs, yet both hold the same statistics and logged the same means.
+    assert not torch.equal(rank0["rollouts"][0]["obs"], rank1["rollouts"][0]["obs"])
+    for kind in ["obs", "rewards"]:
+        for key, value in rank0["statistics"][kind].items():
+            assert torch.equal(torch.as_tensor(rank1["statistics"][kind][key]), torch.as_tensor(value)), (kind, key)
+    assert rank0["stats"] == rank1["stats"]
+
+
+def test_ranks_equal_one_process_on_the_combined_batch(two_ranks):
+    # The ranks' averaged gradients of means over equal batches are the gradient of the mean over
+    # the combined batch; the advantages are normalised over all of it, and the gradient is clipped
+    # after averaging, as one process on the combined batch does.
+    rank0, rank1 = two_ranks
+    config = vpg.Config(**{**CONFIG, "num_envs": 4})
+    trainer = vpg.Trainer(config, DriftingTask(4, seed=9), torch.device("cpu"))
+    trainer.policy.load_state_dict(rank0["initial"]["policy"])
+    trainer.value.load_state_dict(rank0["initial"]["value"])
+    assert trainer.num_updates == 10
+    for first, second, stats in zip(rank0["rollouts"], rank1["rollouts"], rank0["stats"]):
+        combined = vpg.Rollout(**{name: torch.cat([first[name], second[name]], dim=1) for name in first})
+        single = trainer.update_policy(combined)
+        assert single["learning_rate"] == stats["learning_rate"]
+        for name in ["policy_loss", "value_loss", "entropy", "approx_kl"]:
+            assert single[name] == pytest.approx(stats[name], rel=1e-4, abs=1e-6), name
+    for network in ["policy", "value"]:
+        for name, tensor in getattr(trainer, network).state_dict().items():
+            torch.testing.assert_close(tensor, rank0["final"][network][name], rtol=1e-4, atol=1e-6)
+
+
+def test_the_pooled_statistics_are_those_of_both_streams(two_ranks):
+    rank0, _ = two_ranks
+    observations = np.concatenate([rank["observations"] for rank in two_ranks])
+    obs = rank0["statistics"]["obs"]
+    assert obs["count"] == len(observations) == 2 * 2 * (1 + UPDATES * CONFIG["num_steps"])
+    np.testing.assert_allclose(obs["mean"].numpy(), observations.mean(0), rtol=1e-10)
+    np.testing.assert_allclose(obs["var"].numpy(), observations.var(0), rtol=1e-10)
+    # The reward scaler's discounted returns, recomputed from each rank's rewards and episode ends.
+    returns = []
+    for rank in two_ranks:
+        running = np.zeros(2)
+        for rewards, done in zip(rank["rewards"], rank["done"]):
+            running = running * vpg.Config.gamma + rewards
+            returns.append(running.copy())
+            running[done] = 0.0
+    returns = np.concatenate(returns)
+    scaler = rank0["statistics"]["rewards"]
+    assert scaler["count"] == len(returns)
+    assert scaler["mean"].item() == pytest.approx(returns.mean(), rel=1e-10)
+    assert scaler["var"].item() == pytest.approx(returns.var(), rel=1e-10)
+
+
+def run_failing_rank(rank: int, port: int, out: str) -> None:
+    """Rank 1 dies after one update; rank 0 goes on and writes down how it ended."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    trainer = vpg.Trainer(vpg.Config(**CONFIG), DriftingTask(2, seed=rank), torch.device("cpu"),
+                          ranks=vpg.Ranks(size=2, rank=rank))
+    trainer.update_policy(trainer.collect_rollout())
+    if rank == 1:
+        os._exit(3)
+    try:
+        for _ in range(5):
+            trainer.update_policy(trainer.collect_rollout())
+        Path(out).write_text("went on without rank 1")
+    except vpg.RankFailure as error:
+        Path(out).write_text(str(error))
+
+
+def test_a_failed_rank_brings_the_other_down_with_one_line(tmp_path):
+    processes = start_ranks(run_failing_rank, tmp_path)
+    try:
+        for process in processes:
+            process.join(timeout=120)
+    finally:
+        for process in processes:
+            process.kill()
+    assert [process.exitcode for process in processes] == [0, 3]
+    message = (tmp_path / "rank0.pt").read_text()
+    assert message.startswith("rank 0: another rank failed or left (") and "\n" not in message, message
+
+
+def test_each_rank_steps_its_own_slice_of_the_run_envs():
+    spaces = vpg.describe_env("Pendulum-v1")
+    with vpg.Workers("Pendulum-v1", 4, 1, seed=3, spaces=spaces) as all_envs:
+        everyone = all_envs.reset().copy()
+    with vpg.Workers("Pendulum-v1", 2, 1, seed=3, spaces=spaces, first_env=2) as second_rank:
+        np.testing.assert_array_equal(second_rank.reset(), everyone[2:])
+    assert not np.array_equal(everyone[:2], everyone[2:])
+
+
+def torchrun(*args, **popen) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), SCRIPT, "--env", "Pendulum-v1", "--num-envs", "2", "--num-steps", "64",
+               "--num-workers", "1", "--value-epochs", "1", "--num-minibatches", "1", *map(str, args)]
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def test_torchrun_trains_on_two_ranks_and_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    process = torchrun("--total-timesteps", 1024, "--checkpoint-every", 2, "--run-dir", run_dir)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    # 2 ranks x 2 envs x 64 steps = 256 steps an update.
+    assert checkpoint["ranks"] == 2 and checkpoint["update"] == 4 and checkpoint["global_step"] == 1024
+    assert len(checkpoint["torch_rng"]) == 2 and not torch.equal(*checkpoint["torch_rng"])
+    # The statistics of both ranks: 2 x 2 first observations and one per step; 1,024 returns.
+    assert checkpoint["obs_normalizer"]["count"] == 4 + 1024 and checkpoint["reward_scaler"]["count"] == 1024
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # rank 0 alone writes
+    assert output.count("training on cpu, 2 envs in 1 workers on each of 2 ranks") == 1
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    assert [e.step for e in events.Scalars("losses/policy_loss")] == [256, 512, 768, 1024]
+    # Pendulum's episodes last 200 steps: each of the 4 envs of the 2 ranks finished one.
+    assert [e.value for e in events.Scalars("charts/episodic_length")] == [200] * 4
+
+    resumed = torchrun("--resume", run_dir / "checkpoint.pt", "--total-timesteps", 1536)
+    output, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, output
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert checkpoint["update"] == 6 and checkpoint["global_step"] == 1536
+    assert checkpoint["obs_normalizer"]["count"] == 1028 + 4 + 512
+
+    alone = subprocess.run([sys.executable, SCRIPT, "--resume", str(run_dir / "checkpoint.pt")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 2 and "written by a run of 2 rank(s); resume it with as many, not 1" in alone.stderr
+
+
+def process_tree(pid: int) -> set[int]:
+    """`pid`'s descendants, read from /proc."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+    tree, grew = set(), True
+    while grew:
+        new = {child for child, parent in parents.items() if (parent == pid or parent in tree) and child not in tree}
+        tree |= new
+        grew = bool(new)
+    return tree
+
+
+def alive(pids) -> list[int]:
+    living = []
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                living.append(pid)
+        except FileNotFoundError:
+            pass
+    return living
+
+
+def test_ctrl_c_under_torchrun_saves_a_checkpoint_and_leaves_no_process(tmp_path):
+    # A terminal's Ctrl-C reaches every process of the foreground group, and torchrun passes it on
+    # to the ranks a second time: the ranks must take the two as one request and still save.
+    process = torchrun("--total-timesteps", 10_000_000, "--checkpoint-every", 1000, "--run-dir", tmp_path,
+                       start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        for line in process.stdout:
+            if "training on" in line:
+                break
+            assert time.monotonic() < deadline
+        time.sleep(3)
+        tree = process_tree(process.pid)
+        assert len(tree) >= 4  # 2 ranks and their workers
+        os.killpg(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    # (torchrun itself ends with a traceback of the signal it received; the ranks print none.)
+    assert "stopped at update" in output and "aborted" not in output and 'vpg_continuous.py", line' not in output, output
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert checkpoint["update"] >= 1 and checkpoint["global_step"] == checkpoint["update"] * 256
+    time.sleep(1)
+    assert alive(tree) == []
