@@ -1306,6 +1306,12 @@ def load_checkpoint(path: str) -> dict:
                           f"({type(error).__name__})") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{path} is not a vpg_continuous.py checkpoint")
+    if "ranks" not in checkpoint:
+        # Written before training could be data-parallel: one process, one random state, and the
+        # CUDA states of all devices (or none). Read it as a checkpoint of one rank.
+        cuda_rng = checkpoint["cuda_rng"]
+        checkpoint.update(ranks=1, torch_rng=[checkpoint["torch_rng"]],
+                          cuda_rng=[cuda_rng[0] if len(cuda_rng) else torch.zeros(0, dtype=torch.uint8)])
     return checkpoint
 
 
