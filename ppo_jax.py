@@ -1241,10 +1241,18 @@ def build_training(config: Config, env_id: str | None = None) -> Training:
     optimizer = make_optimizer(config)
     update_agent = make_update_agent(network, optimizer, config)
 
+    # Under `vmap` over seeds, `network.init` would factorise a batch of matrices at once for the
+    # orthogonal initialisation, and jaxlib 0.10.2's batched QR on the CPU can deadlock: its LAPACK
+    # kernel waits for sub-tasks on the thread pool that its own calls fill. On this project's
+    # 2-core CPU, initialising 16 CartPole agents hung within its first three calls in each of two
+    # tries, and so did a 16-seed benchmark. `sequential_vmap` makes `vmap` run it as a loop over
+    # the seeds, one matrix at a time; it runs once per training run, so the loop costs nothing.
+    init_params = jax.custom_batching.sequential_vmap(network.init)
+
     def init(key: jax.Array) -> Runner:
         key, network_key, env_key = jax.random.split(key, 3)
         obs, env_state = env.reset(env_key)
-        params = network.init(network_key, obs)
+        params = init_params(network_key, obs)
         zeros = jnp.zeros(config.num_envs)
         return Runner(Agent(params, optimizer.init(params)), env_state, obs, zeros, zeros.astype(jnp.int32), key,
                       jnp.array(0, jnp.int32))

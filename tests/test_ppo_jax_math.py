@@ -1,6 +1,7 @@
 """The math of ppo_jax.py against references: GAE, the distributions, the loss, the schedules, the layers."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -254,3 +255,16 @@ def test_initialisation_gains_and_first_policy(network, obs):
         np.testing.assert_allclose(probabilities, 1 / probabilities.shape[-1], atol=0.02)  # nearly uniform
     else:
         np.testing.assert_allclose(policy.log_std, 0.0)
+
+
+@pytest.mark.parametrize("env", ["CartPole-v1", "Breakout-MinAtar"])
+def test_agents_side_by_side_initialise_one_matrix_at_a_time(env):
+    # jaxlib 0.10.2's batched QR can deadlock on the CPU, so the orthogonal initialisation of
+    # several seeds must factorise unbatched (2-D) matrices, in a loop over the seeds.
+    training = ppo_jax.build_training(ppo_jax.Config(env=env, num_seeds=4))
+    jaxpr = str(jax.make_jaxpr(jax.vmap(training.init))(jax.random.split(jax.random.key(0), 4)))
+    outputs = re.findall(r"=\s*qr\[", jaxpr)
+    shapes = [re.findall(r"f32\[([\d,]*)\]", line.split("=")[0]) for line in jaxpr.splitlines()
+              if re.search(r"=\s*qr\[", line)]
+    assert outputs and len(shapes) == len(outputs)
+    assert all(len(shape.split(",")) == 2 for line in shapes for shape in line), shapes
