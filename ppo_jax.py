@@ -14,7 +14,7 @@ training of one agent into the training of many, with different seeds, in the sa
 ```
 pip install -r requirements.txt
 python ppo_jax.py                                      # CartPole-v1, one agent
-python ppo_jax.py --num-seeds 16                       # sixteen agents in one program
+python ppo_jax.py --num-seeds 16                       # sixteen agents in one program, on every device
 python ppo_jax.py --env Breakout-MinAtar               # MinAtar, a small CNN
 python ppo_jax.py --env Pendulum-v1                    # continuous actions, a Gaussian policy
 python ppo_jax.py --env Breakout                       # real Atari, through worker processes
@@ -72,7 +72,7 @@ The page in order:
 4. The math: `compute_gae` as a reverse scan, and `ppo_loss`.
 5. The update: `update_agent`, epochs of minibatches as two nested scans, shared by both paths.
 6. The whole run as one program: `build_training`, `make_train`, and `make_run_updates` for the
-   command line.
+   command line; the agents spread over several devices (optional).
 7. Atari: the same update, fed by workers (`AtariTrainer`).
 8. Checkpoints, logging, the two trainers, evaluation and `main()`.
 """
@@ -111,6 +111,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
 from tensorboard.compat.proto.tensor_pb2 import TensorProto
@@ -1304,7 +1305,9 @@ def build_training(config: Config, env_id: str | None = None) -> Training:
 def make_train(config: Config) -> Callable[[jax.Array], tuple[Runner, dict]]:
     """`train(key) -> (runner, metrics)`: a whole training run, pure. Metrics have a leading `[num_updates]` axis.
 
-    `jax.jit(jax.vmap(train))(jax.random.split(key, n))` trains `n` agents in one compiled program.
+    `jax.jit(jax.vmap(train))(jax.random.split(key, n))` trains `n` agents in one compiled program;
+    with the keys placed over several devices first, `jax.device_put(keys, split_over_seeds(mesh))`,
+    the same call trains each device's share of them there (see the next section).
     """
     training = build_training(config)
 
@@ -1343,6 +1346,66 @@ def make_run_updates(training: Training, length: int) -> Callable:
         return jax.lax.scan(body, runners, jnp.arange(length))
 
     return run_updates
+
+
+# ### Across devices (optional)
+#
+# The agents of `--num-seeds` share nothing, so with several devices (GPUs, say) each can train its
+# share of them with no word to the others. The simplest way to say so in JAX is to say nothing new
+# about the computation, only about where its data lies: the runners are placed with their first
+# axis, the agents', split over a one-dimensional `Mesh` of the devices, by a `NamedSharding` of
+# `PartitionSpec("seeds")`, and `jax.jit` compiles the same program for data laid out that way.
+# XLA's partitioner follows the seed axis through the vmapped run, and as no operation mixes two
+# agents, every device runs the whole program on its own agents and no array moves between devices
+# (a test checks that the compiled program holds no collective operation). `shard_map` would say
+# the same by hand, per device: it would need a spec for every input and output, and its check of
+# which values vary across devices turned off, since this code was written without it. The layout
+# of the outputs is stated too (`out_shardings`), so that a piece's runners go into the next piece
+# laid out as the compiled program expects.
+#
+# Every device runs the same program, on as many agents as each other one, so the agents must split
+# evenly. Rather than refuse a run, we use the most devices they split over: 6 agents on 4 devices
+# train on 3 of them, 2 each; 5 agents train on one. The run prints what it uses. On one device
+# nothing changes. On several, the results agree with one device's to rounding, not bit for bit: a
+# device runs the program on fewer agents at once, and XLA may compile a batch of another size into
+# another order of the same sums. Over a long run the difference grows (a sampled action flips, and
+# the episodes part ways): the runs are equally good samples of training, not the same sample. The
+# checkpoint does not depend on the devices (`jax.device_get` gathers a sharded array into one), so
+# a run started on two devices can be resumed or evaluated on one.
+#
+# An Atari run is not spread. It trains one agent, so the devices would have to split its batch and
+# add up their gradients at every minibatch; and its time goes to the emulators, on the CPU.
+
+SEED_AXIS = "seeds"
+
+
+def seed_mesh(num_seeds: int, devices: list | None = None) -> Mesh:
+    """A one-dimensional mesh of the most devices (of `devices`, default all) that split `num_seeds` agents evenly."""
+    devices = devices or jax.devices()
+    count = max(n for n in range(1, len(devices) + 1) if num_seeds % n == 0)
+    return Mesh(np.array(devices[:count]), (SEED_AXIS,))
+
+
+def split_over_seeds(mesh: Mesh, axis: int = 0) -> NamedSharding:
+    """The layout of arrays whose agent axis is `axis`: that axis split over the devices of `mesh`."""
+    return NamedSharding(mesh, PartitionSpec(*[None] * axis, SEED_AXIS))
+
+
+def compile_run_updates(training: Training, length: int, runners: Runner, mesh: Mesh) -> Callable:
+    """`make_run_updates` compiled for `runners` placed on `mesh`; its metrics are `[updates, agents]`, split too."""
+    run_updates = jax.jit(make_run_updates(training, length),
+                          out_shardings=(split_over_seeds(mesh), split_over_seeds(mesh, axis=1)))
+    return run_updates.lower(runners, jnp.int32(0)).compile()
+
+
+def describe_devices(mesh: Mesh, num_seeds: int) -> str:
+    """One line: the devices used, how many agents each trains, and why some are left idle."""
+    available = len(jax.devices())
+    line = f"devices: {mesh.size} × {mesh.devices.flat[0].platform} ({num_seeds // mesh.size} agent(s) per device"
+    if mesh.size < available:
+        idle = available - mesh.size
+        line += f"; {idle} of the {available} left idle: {num_seeds} agent(s) split evenly over no more"
+    return line + ")"
 
 
 # ## Atari: the same update, fed by workers
@@ -1467,7 +1530,8 @@ class NonFiniteError(RuntimeError):
 # serialization: no pickle, so loading one runs no code from the file. For a gymnax run that is the
 # whole `Runner` of every agent, environment states included, so a resumed run continues exactly
 # where the first stopped, bit for bit. For Atari it is the agent and its key; the games restart,
-# as in `ppo_atari.py`. Keys are stored as their raw `uint32` words (`jax.random.key_data`).
+# as in `ppo_atari.py`. Keys are stored as their raw `uint32` words (`jax.random.key_data`), and
+# arrays split over devices are gathered into one on the host first (`jax.device_get`).
 
 CHECKPOINT_FORMAT = "ppo_jax/1"
 
@@ -1741,7 +1805,7 @@ def agent_keys(config: Config) -> jax.Array:
 
 def train_gymnax(config: Config, env_id: str, checkpoint: dict | None) -> int:
     """Train `num_seeds` agents on a gymnax environment, a compiled piece of the run at a time."""
-    device = choose_device(config.device)
+    choose_device(config.device)
     run = Run(config, env_id, checkpoint, seed_writers=config.num_seeds if config.num_seeds > 1 else 0)
     training = build_training(config, env_id)
     keys = agent_keys(config)
@@ -1751,13 +1815,16 @@ def train_gymnax(config: Config, env_id: str, checkpoint: dict | None) -> int:
         template = jax.eval_shape(lambda keys: storable(jax.vmap(training.init)(keys)), keys)
         runners = restore_tree(template, checkpoint["runners"], config.resume)
         runners = runners._replace(key=jax.random.wrap_key_data(runners.key))
+    # Place the agents over the devices; everything computed from them stays where they are.
+    mesh = seed_mesh(config.num_seeds)
+    runners = jax.device_put(runners, split_over_seeds(mesh))
     update = int(runners.update[0])
     progress = Progress(config.total_timesteps, update * config.batch_size, config.num_seeds, unit="updates")
 
+    print(describe_devices(mesh, config.num_seeds), file=sys.stderr)
     started = time.perf_counter()
-    length = min(config.checkpoint_every, training.num_updates)
-    run_updates = jax.jit(make_run_updates(training, length)).lower(runners, jnp.int32(0)).compile()
-    print(f"{env_id}: {config.num_seeds} agent(s) on {device}, compiled in {time.perf_counter() - started:.1f} s; "
+    run_updates = compile_run_updates(training, min(config.checkpoint_every, training.num_updates), runners, mesh)
+    print(f"{env_id}: {config.num_seeds} agent(s), compiled in {time.perf_counter() - started:.1f} s; "
           f"logs and checkpoints in {run.dir}", file=sys.stderr)
     run.open_writers()
     progress.restart()
@@ -1911,6 +1978,7 @@ def evaluate_gymnax(config: Config, env_id: str, checkpoint: dict) -> np.ndarray
     params = restore_tree(template, checkpoint["runners"]["agent"]["params"], config.eval)
     # Episodes unlike the training ones: keys from another branch of the seed's key.
     eval_keys = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), 1), config.num_seeds)
+    params, eval_keys = jax.device_put((params, eval_keys), split_over_seeds(seed_mesh(config.num_seeds)))
     return np.asarray(jax.jit(jax.vmap(make_evaluate(network, env)))(params, eval_keys))
 
 
