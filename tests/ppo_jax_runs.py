@@ -10,6 +10,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import ROOT
+from processes import alive, children_of  # noqa: F401 (used by the tests that import this)
 
 SCRIPT = str(ROOT / "ppo_jax.py")
 
@@ -41,22 +42,3 @@ def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 def read_checkpoint(path: Path) -> dict:
     return flax.serialization.msgpack_restore(Path(path).read_bytes())
 
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def children_of(pid: int) -> list[int]:
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if int(fields[1]) == pid:
-                children.append(int(entry.name))
-    return children

@@ -1,6 +1,5 @@
 """ppo_atari.py through its command line, as a user runs it."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import ppo_atari
 from conftest import ROOT
+from processes import alive, children_of
 
 SCRIPT = str(ROOT / "ppo_atari.py")
 TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate",
@@ -148,27 +148,6 @@ def test_damaged_and_foreign_checkpoints_exit_2(trained, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_without_cuda_exits_2(tmp_path):
     one_line_error(run("--device", "cuda", "--run-dir", tmp_path, "--total-timesteps", 1024), "no CUDA device")
-
-
-def children_of(pid: int) -> list[int]:
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if int(fields[1]) == pid:
-                children.append(int(entry.name))
-    return children
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def test_ctrl_c_saves_a_checkpoint_and_leaves_no_process(tmp_path):

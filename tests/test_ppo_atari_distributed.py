@@ -3,7 +3,6 @@
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,14 +15,9 @@ import torch.distributed as dist
 
 import ppo_atari
 from conftest import ROOT
+from processes import children_of, free_port, living, process_tree
 
 SCRIPT = str(ROOT / "ppo_atari.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RandomFrames:
@@ -124,46 +118,6 @@ def torchrun(*args, **popen):
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
-def process_tree(pid: int) -> set[int]:
-    """`pid`'s descendants, read from /proc."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-    tree, grew = set(), True
-    while grew:
-        new = {child for child, parent in parents.items() if (parent == pid or parent in tree) and child not in tree}
-        tree |= new
-        grew = bool(new)
-    return tree
-
-
-def children_of(pid: int) -> list[int]:
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    children.append(int(entry.name))
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-    return children
-
-
-def alive(pids) -> list[int]:
-    living = []
-    for pid in pids:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                living.append(pid)
-        except FileNotFoundError:
-            pass
-    return living
-
-
 def rank_of(pid: int) -> int | None:
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -218,7 +172,7 @@ def test_a_failed_rank_brings_the_others_down(tmp_path):
     assert process.returncode != 0
     assert "FAILED" in output and "rank      : 1" in output
     time.sleep(1)
-    assert alive(tree) == []
+    assert living(tree) == []
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] >= 1
 
 
@@ -243,4 +197,4 @@ def test_ctrl_c_under_torchrun_saves_a_checkpoint(tmp_path):
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert checkpoint["update"] >= 1 and checkpoint["global_step"] == checkpoint["update"] * 128
     time.sleep(1)
-    assert alive(tree) == []
+    assert living(tree) == []

@@ -7,7 +7,6 @@ so the test isolates the learning machinery: network, sampling, GAE, the clipped
 """
 
 import numpy as np
-import pytest
 import torch
 
 import ppo_atari

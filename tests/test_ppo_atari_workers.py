@@ -1,6 +1,5 @@
 """The `Workers` of ppo_atari.py: the same games as in-process, loud failures, nothing left behind."""
 
-import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -14,25 +13,10 @@ import pytest
 
 import ppo_atari
 from conftest import ROOT
+from processes import deadline, living
 
 # A small frame cap, so that games are truncated within the test and `final_obs` is exercised.
 OPTIONS = dict(sticky_actions=0.0, life_loss=True, noop_max=30, frame_skip=4, max_episode_frames=600)
-
-
-@contextlib.contextmanager
-def deadline(seconds: int):
-    """Fail instead of hanging: the point of several tests here is that nothing waits forever."""
-
-    def expire(signum, frame):
-        raise TimeoutError(f"still waiting after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 class InProcessGames:
@@ -53,18 +37,6 @@ class InProcessGames:
                 game.reset()
             rows.append((step, final, game.obs.copy()))
         return rows
-
-
-def pids_alive(pids):
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().split(") ")[1].split()[0] != "Z":
-                    alive.append(pid)
-        except FileNotFoundError:
-            pass
-    return alive
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -118,9 +90,9 @@ def test_close_leaves_no_process(breakout_id):
     workers = ppo_atari.Workers(breakout_id, 4, 2, 0, OPTIONS)
     workers.reset()
     pids = [p.pid for p in workers.processes]
-    assert pids_alive(pids) == pids
+    assert living(pids) == pids
     workers.close()
-    assert pids_alive(pids) == [] and mp.active_children() == []
+    assert living(pids) == [] and mp.active_children() == []
     workers.close()  # closing twice is harmless
 
 
@@ -139,14 +111,14 @@ def test_workers_exit_when_the_main_process_is_killed(breakout_id):
     main = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(pid) for pid in main.stdout.readline().split()]
-        assert len(pids) == 2 and pids_alive(pids) == pids
+        assert len(pids) == 2 and living(pids) == pids
         main.kill()
         main.wait()
         for _ in range(100):
-            if not pids_alive(pids):
+            if not living(pids):
                 break
             time.sleep(0.1)
-        assert pids_alive(pids) == []
+        assert living(pids) == []
     finally:
         main.kill()
 

@@ -1,7 +1,6 @@
 """ppo_jax.py on Atari: its copies of the `Game` wrapper and the `Workers` behave as ppo_atari.py's, and
 a short run through the workers trains, checkpoints, resumes and evaluates."""
 
-import contextlib
 import signal
 import subprocess
 import sys
@@ -15,23 +14,8 @@ import pytest
 import ppo_atari
 import ppo_jax
 from conftest import ROOT
+from processes import deadline
 from ppo_jax_runs import SCRIPT, alive, children_of, environment, read_checkpoint, run, scalars  # noqa: F401 (fixtures)
-
-
-@contextlib.contextmanager
-def deadline(seconds: int):
-    """Fail instead of hanging."""
-
-    def expire(signum, frame):
-        raise TimeoutError(f"still waiting after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.mark.parametrize("name, options", [

@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import vpg_continuous as vpg
 from conftest import ROOT
+from processes import alive, children_of
 
 SCRIPT = str(ROOT / "vpg_continuous.py")
 TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate",
@@ -224,27 +225,6 @@ def test_damaged_and_foreign_checkpoints_exit_2(trained, tmp_path, capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_without_cuda_exits_2(tmp_path, capsys):
     one_line_error(*run_main(capsys, *PENDULUM, "--device", "cuda", "--run-dir", tmp_path)[::2], "no CUDA device")
-
-
-def children_of(pid: int) -> list[int]:
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if int(fields[1]) == pid:
-                children.append(int(entry.name))
-    return children
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def test_ctrl_c_saves_a_checkpoint_and_leaves_no_process(tmp_path):

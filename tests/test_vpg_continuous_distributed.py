@@ -3,7 +3,6 @@
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +16,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import vpg_continuous as vpg
 from conftest import ROOT
+from processes import free_port, living, process_tree
 
 SCRIPT = str(ROOT / "vpg_continuous.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class DriftingTask:
@@ -241,34 +235,6 @@ def test_torchrun_trains_on_two_ranks_and_resumes(tmp_path):
     assert alone.returncode == 2 and "written by a run of 2 rank(s); resume it with as many, not 1" in alone.stderr
 
 
-def process_tree(pid: int) -> set[int]:
-    """`pid`'s descendants, read from /proc."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-    tree, grew = set(), True
-    while grew:
-        new = {child for child, parent in parents.items() if (parent == pid or parent in tree) and child not in tree}
-        tree |= new
-        grew = bool(new)
-    return tree
-
-
-def alive(pids) -> list[int]:
-    living = []
-    for pid in pids:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                living.append(pid)
-        except FileNotFoundError:
-            pass
-    return living
-
-
 def test_ctrl_c_under_torchrun_saves_a_checkpoint_and_leaves_no_process(tmp_path):
     # A terminal's Ctrl-C reaches every process of the foreground group, and torchrun passes it on
     # to the ranks a second time: the ranks must take the two as one request and still save.
@@ -292,4 +258,4 @@ def test_ctrl_c_under_torchrun_saves_a_checkpoint_and_leaves_no_process(tmp_path
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert checkpoint["update"] >= 1 and checkpoint["global_step"] == checkpoint["update"] * 256
     time.sleep(1)
-    assert alive(tree) == []
+    assert living(tree) == []

@@ -1,6 +1,5 @@
 """The `Workers` of vpg_continuous.py: the same envs as in-process, loud failures, nothing left behind."""
 
-import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -15,23 +14,8 @@ import pytest
 
 import vpg_continuous as vpg
 from conftest import ROOT
+from processes import deadline, living
 from vpg_continuous_helpers import InProcessEnvs
-
-
-@contextlib.contextmanager
-def deadline(seconds: int):
-    """Fail instead of hanging: the point of several tests here is that nothing waits forever."""
-
-    def expire(signum, frame):
-        raise TimeoutError(f"still waiting after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 class FailsOnLargeActions(gym.Env):
@@ -52,18 +36,6 @@ class FailsOnLargeActions(gym.Env):
 
 # Registered in this process; forked workers inherit the registry.
 gym.register("FailsOnLargeActions-v0", entry_point=FailsOnLargeActions, max_episode_steps=100)
-
-
-def pids_alive(pids):
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.append(pid)
-        except FileNotFoundError:
-            pass
-    return alive
 
 
 @pytest.mark.parametrize("env_id, max_episode_steps, action_scale, start_method", [
@@ -122,9 +94,9 @@ def test_close_leaves_no_process():
     workers = vpg.Workers("Pendulum-v1", 4, 2, 0, vpg.describe_env("Pendulum-v1"))
     workers.reset()
     pids = [p.pid for p in workers.processes]
-    assert pids_alive(pids) == pids
+    assert living(pids) == pids
     workers.close()
-    assert pids_alive(pids) == [] and mp.active_children() == []
+    assert living(pids) == [] and mp.active_children() == []
     workers.close()  # closing twice is harmless
 
 
@@ -143,14 +115,14 @@ def test_workers_exit_when_the_main_process_is_killed():
     main = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(pid) for pid in main.stdout.readline().split()]
-        assert len(pids) == 2 and pids_alive(pids) == pids
+        assert len(pids) == 2 and living(pids) == pids
         main.kill()
         main.wait()
         for _ in range(100):
-            if not pids_alive(pids):
+            if not living(pids):
                 break
             time.sleep(0.1)
-        assert pids_alive(pids) == []
+        assert living(pids) == []
     finally:
         main.kill()
 

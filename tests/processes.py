@@ -1,0 +1,74 @@
+"""What the tests of all three scripts ask about processes: are they alive, whose children are they,
+and a deadline so that a test fails instead of hanging. Read from Linux's /proc."""
+
+import contextlib
+import signal
+import socket
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """Fail with `TimeoutError` instead of hanging: many tests here check that nothing waits forever."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"still waiting after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name: state first, then the parent's pid."""
+    return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, does not count)."""
+    try:
+        return _stat(pid)[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def living(pids) -> list[int]:
+    """Those of `pids` that are alive."""
+    return [pid for pid in pids if alive(pid)]
+
+
+def _parents() -> dict[int, int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int(_stat(int(entry.name))[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+    return parents
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    return [child for child, parent in _parents().items() if parent == pid]
+
+
+def process_tree(pid: int) -> set[int]:
+    """All of `pid`'s descendants: children, their children, and so on."""
+    parents, tree, grew = _parents(), set(), True
+    while grew:
+        new = {child for child, parent in parents.items() if (parent == pid or parent in tree) and child not in tree}
+        tree |= new
+        grew = bool(new)
+    return tree
