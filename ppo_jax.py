@@ -43,17 +43,18 @@ What JAX changes about writing RL, as this page meets it:
 * **The host is far away.** A compiled run cannot write a TensorBoard event or a checkpoint; the
   command line runs it a piece (`--checkpoint-every` updates) at a time and does those between.
 
-What to expect, measured on this project's 2-core CPU (the README has the commands, and the load
-the machine was under): CartPole-v1's default run, 500,000 steps of 4 environments x 128 steps,
-compiles in about 6 s and runs in about 3.4 s (145,000 steps a second); the whole `python
-ppo_jax.py` process takes about 15 s, and the agent ends at the maximum return of 500. On a CPU,
-agents side by side gain little from `vmap` (four cost 3.2 times the CPU time of one): PureJaxRL's
-thousands of agents at once are a GPU's game.
+What to expect, measured on this project's 2-core CPU (the README has the commands and the
+figures): CartPole-v1's default run, 500,000 steps of 4 environments x 128 steps, traces and
+compiles in about 6 s and runs in about 3.5 s (144,000 steps a second); the whole `python
+ppo_jax.py` process takes about 13 s, and the agent ends at the maximum return of 500. On a CPU,
+agents side by side gain little from `vmap` (sixteen ran at 181,000 steps a second in all, against
+144,000 for one): PureJaxRL's thousands of agents at once are a GPU's game.
 Pendulum-v1 with its preset: four agents between -147 and -159 after 1M steps each.
 Breakout-MinAtar: a return of 7 after 2M steps (its 10M-step preset was not run here). Atari
-Breakout: 372 steps a second, against 598 for `ppo_atari.py` in float32 and 1,074 in bfloat16 at the
-same settings; the difference is almost all in the update, which XLA's CPU backend runs slower
-than PyTorch's oneDNN kernels (2.1 s against 1.1 s in float32, 0.4 s in bfloat16).
+Breakout: 294 steps a second, against 677 for `ppo_atari.py` (bfloat16) measured alternately in the
+same session at the same settings; the games and the inference cost the same, and the difference
+is all in the update, which XLA's CPU backend runs slower than PyTorch's oneDNN kernels (2.6 s
+against 0.6 s an iteration).
 
 Papers and projects: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); PureJaxRL, the whole run as one JAX program (Lu et al., 2022, "Discovered Policy
