@@ -151,9 +151,6 @@ class Config:
     def minibatch_size(self) -> int:
         return self.batch_size // self.num_minibatches
 
-    @property
-    def num_updates(self) -> int:
-        return self.total_timesteps // self.batch_size
 
 
 # The settings of one invocation rather than of the agent: a resumed run takes its hyperparameters
@@ -1095,8 +1092,8 @@ class Trainer:
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "torch_rng": self.ranks.gather(torch.get_rng_state()), "cuda_rng": self.ranks.gather(cuda_rng)}
 
-    def load_state_dict(self, checkpoint: dict) -> None:
-        self.model.load_state_dict(checkpoint["model"])
+    def load_state_dict(self, checkpoint: dict, path: str = "(in memory)") -> None:
+        restore_model(self.model, checkpoint, path)
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.update, self.global_step = checkpoint["update"], checkpoint["global_step"]
         torch.set_rng_state(checkpoint["torch_rng"][self.ranks.rank])
@@ -1405,8 +1402,7 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
         torch.backends.cudnn.benchmark = True
     trainer = Trainer(config, envs, device, bf16=bf16, ranks=ranks)
     if checkpoint is not None:
-        restore_model(trainer.model, checkpoint, config.resume)
-        trainer.load_state_dict(checkpoint)
+        trainer.load_state_dict(checkpoint, config.resume)
     checkpoint_path = run_dir / "checkpoint.pt"
 
     def write_checkpoint() -> None:
@@ -1442,11 +1438,11 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
                 finished_games = [game for games in ranks.gather(trainer.finished_games) for game in games]
                 if ranks.is_main:
                     log_update(writer, trainer, stats, finished_games, progress, iteration_started)
-                if trainer.update % config.checkpoint_every == 0:
-                    write_checkpoint()
                 stopped_by = ranks.largest(stop.signal or 0, device)
                 if stopped_by:
                     break
+                if trainer.update % config.checkpoint_every == 0 and trainer.update < trainer.num_updates:
+                    write_checkpoint()  # the last one, or the one after a stop, is written below
         write_checkpoint()
         if not ranks.is_main:
             return 128 + stopped_by if stopped_by else 0

@@ -58,7 +58,7 @@ def train_on_task(advantage_sign: float, monkeypatch) -> float:
     envs = ShowsWhichActionPays(config.num_envs, n_actions=4, seed=0)
     device = torch.device("cpu")
     trainer = ppo_atari.Trainer(config, envs, device, bf16=ppo_atari.use_bf16("auto", device))
-    while trainer.update < config.num_updates:
+    while trainer.update < trainer.num_updates:
         trainer.update_policy(trainer.collect_rollout())
     return float(np.mean(envs.rewards_seen[-512:]))
 
