@@ -173,9 +173,6 @@ class Config:
     def minibatch_size(self) -> int:
         return self.batch_size // self.num_minibatches
 
-    @property
-    def num_updates(self) -> int:
-        return self.total_timesteps // self.batch_size
 
 
 # The settings of one invocation rather than of the agent: a resumed run takes its hyperparameters
@@ -224,6 +221,11 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def flag(name: str) -> str:
+    """The command-line flag of a `Config` field: `num_envs` is `--num-envs`."""
+    return "--" + name.replace("_", "-")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line, one flag per field of `Config`.
 
@@ -237,28 +239,24 @@ def build_parser() -> argparse.ArgumentParser:
     docs = field_docs(Config)
     hints = typing.get_type_hints(Config)
     for field in dataclasses.fields(Config):
-        flag = "--" + field.name.replace("_", "-")
+        name = flag(field.name)
         kind = hints[field.name]
         help_text = f"{docs.get(field.name, '')} (default: {field.default})".replace("%", "%%")
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, help=help_text)
             continue
         if typing.get_origin(kind) is Literal:
-            parser.add_argument(flag, choices=typing.get_args(kind), help=help_text)
+            parser.add_argument(name, choices=typing.get_args(kind), help=help_text)
             continue
         if type(None) in typing.get_args(kind):
             kind = next(t for t in typing.get_args(kind) if t is not type(None))
-        parser.add_argument(flag, type=parse_int if kind is int else kind, metavar=field.name.upper(),
+        parser.add_argument(name, type=parse_int if kind is int else kind, metavar=field.name.upper(),
                             help=help_text)
     return parser
 
 
 def check_config(config: Config) -> None:
     """Refuse settings that cannot work, before any process starts."""
-
-    def flag(name: str) -> str:
-        return "--" + name.replace("_", "-")
-
     for name in ["total_timesteps", "num_envs", "num_steps", "value_epochs", "num_minibatches",
                  "checkpoint_every", "eval_episodes"]:
         if getattr(config, name) <= 0:
@@ -279,9 +277,6 @@ def check_config(config: Config) -> None:
                           f"does not split into {config.num_minibatches} minibatches")
     if config.batch_size < 2:
         raise ConfigError("a batch needs at least 2 transitions (--num-envs x --num-steps) to normalise advantages")
-    if config.eval is None and config.total_timesteps < config.batch_size:
-        raise ConfigError(f"--total-timesteps {config.total_timesteps} is less than one batch "
-                          f"({config.batch_size} = num envs x num steps)")
     if config.num_workers > config.num_envs:
         raise ConfigError(f"--num-workers {config.num_workers} is more than --num-envs {config.num_envs}")
     if config.eval is not None and config.resume is not None:
@@ -1210,7 +1205,6 @@ class Trainer:
         with torch.no_grad():
             advantages, returns = compute_gae(rollout.rewards, rollout.values, rollout.next_values,
                                               rollout.terminated, rollout.truncated, config.gamma, config.gae_lambda)
-        # Flatten [steps, envs] into one batch of transitions.
         obs, actions = rollout.obs.flatten(0, 1), rollout.actions.flatten(0, 1)
         old_log_probs, old_values = rollout.log_probs.flatten(), rollout.values.flatten()
         advantages, returns = advantages.flatten(), returns.flatten()
@@ -1269,9 +1263,8 @@ class Trainer:
                 "reward_scaler": self.reward_scaler.stats.state_dict() if self.reward_scaler else None,
                 "torch_rng": self.ranks.gather(torch.get_rng_state()), "cuda_rng": self.ranks.gather(cuda_rng)}
 
-    def load_state_dict(self, checkpoint: dict) -> None:
-        self.policy.load_state_dict(checkpoint["policy"])
-        self.value.load_state_dict(checkpoint["value"])
+    def load_state_dict(self, checkpoint: dict, path: str = "(in memory)") -> None:
+        restore_networks({"policy": self.policy, "value": self.value}, checkpoint, path)
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.obs_normalizer.load_state_dict(checkpoint["obs_normalizer"])
         if self.reward_scaler is not None and checkpoint["reward_scaler"] is not None:
@@ -1306,12 +1299,6 @@ def load_checkpoint(path: str) -> dict:
                           f"({type(error).__name__})") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{path} is not a vpg_continuous.py checkpoint")
-    if "ranks" not in checkpoint:
-        # Written before training could be data-parallel: one process, one random state, and the
-        # CUDA states of all devices (or none). Read it as a checkpoint of one rank.
-        cuda_rng = checkpoint["cuda_rng"]
-        checkpoint.update(ranks=1, torch_rng=[checkpoint["torch_rng"]],
-                          cuda_rng=[cuda_rng[0] if len(cuda_rng) else torch.zeros(0, dtype=torch.uint8)])
     return checkpoint
 
 
@@ -1426,8 +1413,9 @@ def train(config: Config, env_id: str, spaces: EnvSpaces, checkpoint: dict | Non
             raise ConfigError(f"{run_dir} already holds a checkpoint; resume it with --resume "
                               f"{run_dir / 'checkpoint.pt'} or choose another --run-dir")
     if config.total_timesteps < config.batch_size * ranks.size:
-        raise ConfigError(f"--total-timesteps {config.total_timesteps} is less than one batch of the {ranks.size} "
-                          f"ranks ({config.batch_size * ranks.size} = ranks x num envs x num steps)")
+        raise ConfigError(f"--total-timesteps {config.total_timesteps} is less than one batch "
+                          f"({config.batch_size * ranks.size} = {ranks.size} rank(s) x {config.num_envs} envs "
+                          f"x {config.num_steps} steps)")
     torch.manual_seed(config.seed + ranks.rank)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     num_workers = config.num_workers or max(1, min(config.num_envs, cores // ranks.local_size))
@@ -1452,8 +1440,7 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
 
     trainer = Trainer(config, envs, device, ranks=ranks)
     if checkpoint is not None:
-        restore_networks({"policy": trainer.policy, "value": trainer.value}, checkpoint, config.resume)
-        trainer.load_state_dict(checkpoint)
+        trainer.load_state_dict(checkpoint, config.resume)
     checkpoint_path = run_dir / "checkpoint.pt"
 
     def write_checkpoint() -> None:
@@ -1490,11 +1477,11 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
                                      for episode in episodes]
                 if ranks.is_main:
                     log_update(writer, trainer, stats, finished_episodes, progress, iteration_started)
-                if trainer.update % config.checkpoint_every == 0:
-                    write_checkpoint()
                 stopped_by = ranks.largest(stop.signal or 0, device)
                 if stopped_by:
                     break
+                if trainer.update % config.checkpoint_every == 0 and trainer.update < trainer.num_updates:
+                    write_checkpoint()  # the last one, or the one after a stop, is written below
         write_checkpoint()
         if not ranks.is_main:
             return 128 + stopped_by if stopped_by else 0

@@ -266,13 +266,3 @@ def test_a_nan_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     assert "nan at update 3" in stderr and "the last good checkpoint is" in stderr
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] == 2
 
-
-def test_a_checkpoint_from_before_torchrun_reads_as_one_rank(trained, tmp_path):
-    # Checkpoints written before data-parallel training held one random state, not one per rank.
-    checkpoint = torch.load(trained[0] / "checkpoint.pt", weights_only=True)
-    old = {**checkpoint, "torch_rng": checkpoint["torch_rng"][0], "cuda_rng": []}
-    del old["ranks"]
-    torch.save(old, tmp_path / "old.pt")
-    loaded = vpg.load_checkpoint(str(tmp_path / "old.pt"))
-    assert loaded["ranks"] == 1 and len(loaded["torch_rng"]) == 1 and len(loaded["cuda_rng"]) == 1
-    assert torch.equal(loaded["torch_rng"][0], checkpoint["torch_rng"][0])

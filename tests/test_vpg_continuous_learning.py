@@ -29,7 +29,7 @@ def train_inverted_pendulum(advantage_sign: float, monkeypatch) -> tuple[float, 
     envs = InProcessEnvs(config.env, config.num_envs, config.seed)
     trainer = vpg.Trainer(config, envs, torch.device("cpu"))
     returns = []
-    while trainer.update < config.num_updates:
+    while trainer.update < trainer.num_updates:
         trainer.update_policy(trainer.collect_rollout())
         returns += [episode_return for _, episode_return, _ in trainer.finished_episodes]
     envs.close()
