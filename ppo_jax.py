@@ -1154,7 +1154,6 @@ def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformatio
                      clip_range: jax.Array) -> tuple[Agent, dict]:
         advantages, returns = compute_gae(rollout.rewards, rollout.values, rollout.next_values, rollout.terminated,
                                           rollout.truncated, config.gamma, config.gae_lambda)
-        # Flatten [steps, envs] into one batch of transitions.
         batch = jax.tree.map(lambda x: x.reshape(config.batch_size, *x.shape[2:]),
                              Batch(rollout.obs, rollout.actions, rollout.log_probs, rollout.values, advantages, returns))
 
@@ -1247,9 +1246,13 @@ def build_training(config: Config, env_id: str | None = None) -> Training:
     # orthogonal initialisation, and jaxlib 0.10.2's batched QR on the CPU can deadlock: its LAPACK
     # kernel waits for sub-tasks on the thread pool that its own calls fill. On this project's
     # 2-core CPU, initialising 16 CartPole agents hung within its first three calls in each of two
-    # tries, and so did a 16-seed benchmark. `sequential_vmap` makes `vmap` run it as a loop over
-    # the seeds, one matrix at a time; it runs once per training run, so the loop costs nothing.
-    init_params = jax.custom_batching.sequential_vmap(network.init)
+    # tries, and so did a 16-seed benchmark. On the CPU, `sequential_vmap` makes `vmap` run it as a
+    # loop over the seeds, one matrix at a time; it runs once per training run, so the loop costs
+    # nothing. Other backends keep the batched factorisation: a loop over a seed axis that is split
+    # over devices would first gather the keys onto every device.
+    init_params = network.init
+    if jax.default_backend() == "cpu":
+        init_params = jax.custom_batching.sequential_vmap(network.init)
 
     def init(key: jax.Array) -> Runner:
         key, network_key, env_key = jax.random.split(key, 3)
@@ -1269,7 +1272,8 @@ def build_training(config: Config, env_id: str | None = None) -> Training:
         # $V(s_{t+1})$ of the observation the step led to. Where nothing ended, `final_obs` is `obs`
         # and this is the value the next step computes again; where an episode ended, it is the
         # value of its last observation, which the reset has replaced in `obs`. (XLA drops the
-        # policy half of this second pass: its result is unused.)
+        # policy head of this second pass, whose result is unused; the MLP's policy tower goes with
+        # it, while the MinAtar CNN's torso, shared by both heads, runs twice.)
         _, next_values = network.apply(params, final_obs)
         done = terminated | truncated
         episode_returns = runner.episode_returns + rewards
@@ -1308,7 +1312,9 @@ def make_train(config: Config) -> Callable[[jax.Array], tuple[Runner, dict]]:
 
     `jax.jit(jax.vmap(train))(jax.random.split(key, n))` trains `n` agents in one compiled program;
     with the keys placed over several devices first, `jax.device_put(keys, split_over_seeds(mesh))`,
-    the same call trains each device's share of them there (see the next section).
+    the same call trains each device's share of them there (see the next section). On CPU devices
+    the initialisation, a loop over the seeds there (see `build_training`), first gathers the keys
+    onto every device; the command line initialises on one device and places the runners instead.
     """
     training = build_training(config)
 
@@ -1481,7 +1487,7 @@ class AtariTrainer:
             started = time.perf_counter()
             r.obs[t] = self.next_obs
             self.key, actions, log_probs, values = self.act(params, r.obs[t], self.key)
-            r.actions[t], r.log_probs[t], r.values[t] = actions, log_probs, values  # waits for the result
+            r.actions[t], r.log_probs[t], r.values[t] = jax.device_get((actions, log_probs, values))  # waits for them
             stepped = time.perf_counter()
             self.timings["inference"] += stepped - started
             step = self.envs.step(r.actions[t])
@@ -1511,7 +1517,7 @@ class AtariTrainer:
         agent, metrics = self.update_agent(self.agent, jax.tree.map(jnp.asarray, rollout), update_key,
                                            linear_schedule(self.config.learning_rate, self.update, self.config.num_updates),
                                            linear_schedule(self.config.clip_range, self.update, self.config.num_updates))
-        metrics = {name: float(value) for name, value in metrics.items()}
+        metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
         if metrics["nonfinite"]:
             raise NonFiniteError(f"the loss or its gradient became non-finite at update {self.update + 1}; "
                                  "no step was taken from there on")
@@ -1970,13 +1976,10 @@ def make_evaluate(network: nn.Module, env: BatchedEnv) -> Callable[[Any, jax.Arr
 def evaluate_gymnax(config: Config, env_id: str, checkpoint: dict) -> np.ndarray:
     """`[agents, eval_episodes]` returns of the checkpoint's agents."""
     choose_device(config.device)
-    _, family = resolve_env(env_id)
-    env = BatchedEnv(env_id, config.eval_episodes)
-    network = make_network(family, env)
-    training_env = BatchedEnv(env_id, config.num_envs)
-    keys = agent_keys(config)
-    template = jax.eval_shape(jax.vmap(lambda key: network.init(key, training_env.reset(key)[0])), keys)
+    training = build_training(config, env_id)
+    template = jax.eval_shape(jax.vmap(training.init), agent_keys(config)).agent.params
     params = restore_tree(template, checkpoint["runners"]["agent"]["params"], config.eval)
+    network, env = training.network, BatchedEnv(env_id, config.eval_episodes)
     # Episodes unlike the training ones: keys from another branch of the seed's key.
     eval_keys = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), 1), config.num_seeds)
     params, eval_keys = jax.device_put((params, eval_keys), split_over_seeds(seed_mesh(config.num_seeds)))
