@@ -184,7 +184,8 @@ class Config:
     checkpoint_every: int = 100
     """Write checkpoint.msgpack every this many updates (and always at the end and on Ctrl-C)."""
     resume: str | None = None
-    """Continue training from this checkpoint, on the same schedule."""
+    """Continue training from this checkpoint with its settings; flags given override them (a larger
+    `--total-timesteps` extends the run, and the annealing stretches over the new length)."""
     eval: str | None = None
     """Play `eval_episodes` episodes with the policy in this checkpoint (each agent's) and print the return."""
     eval_episodes: int = 10
