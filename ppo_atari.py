@@ -1167,6 +1167,19 @@ class RankFailure(RuntimeError):
     """A collective operation failed: another rank died or left."""
 
 
+# A failed operation's tensors need care. gloo runs each operation on a thread of its own, and that
+# thread drops its hold on the tensors a moment *after* the error reaches us. If its hold were the
+# last, the thread would need the GIL to free them; once the interpreter has begun to shut down it
+# cannot have it, and the whole process aborts ("terminate called without an active exception").
+# The error's traceback holds the tensors (its frames are those of the call), so keeping the error
+# until the process ends leaves the last hold, and the freeing, to the main thread.
+FAILED_COLLECTIVES: list[RuntimeError] = []
+
+
+def keep_until_exit(error: RuntimeError) -> None:
+    FAILED_COLLECTIVES.append(error)
+
+
 class Ranks:
     """The processes of a data-parallel run and the few collective operations that PPO needs.
 
@@ -1197,6 +1210,7 @@ class Ranks:
             dist.destroy_process_group()
 
     def _failure(self, error: RuntimeError) -> RankFailure:
+        keep_until_exit(error)
         # gloo says where in its source the connection broke, then why: keep the why.
         reason = str(error).strip().splitlines()[0].split("] ")[-1].split(". ")[0]
         return RankFailure(f"rank {self.rank}: another rank failed or left ({reason})")
@@ -1242,7 +1256,10 @@ class Ranks:
         """Start every rank from rank 0's initialisation."""
         if self.size > 1:
             for tensor in model.state_dict().values():
-                dist.broadcast(tensor, src=0)
+                try:
+                    dist.broadcast(tensor, src=0)
+                except RuntimeError as error:
+                    raise self._failure(error) from None
 
     def largest(self, value: int, device: torch.device) -> int:
         """The largest of the ranks' values: the signal that stops them all, or 0 if none came."""

@@ -1589,6 +1589,19 @@ class RankFailure(RuntimeError):
     """A collective operation failed: another rank died or left."""
 
 
+# A failed operation's tensors need care. gloo runs each operation on a thread of its own, and that
+# thread drops its hold on the tensors a moment *after* the error reaches us. If its hold were the
+# last, the thread would need the GIL to free them; once the interpreter has begun to shut down it
+# cannot have it, and the whole process aborts ("terminate called without an active exception").
+# The error's traceback holds the tensors (its frames are those of the call), so keeping the error
+# until the process ends leaves the last hold, and the freeing, to the main thread.
+FAILED_COLLECTIVES: list[RuntimeError] = []
+
+
+def keep_until_exit(error: RuntimeError) -> None:
+    FAILED_COLLECTIVES.append(error)
+
+
 class Ranks:
     """The processes of a data-parallel run and the few collective operations that VPG needs.
 
@@ -1624,6 +1637,7 @@ class Ranks:
         try:
             return operation(*args, **kwargs)
         except RuntimeError as error:  # gloo: the connection to the rank that died was closed or reset
+            keep_until_exit(error)
             # gloo says where in its source the connection broke, then why: keep the why.
             reason = str(error).strip().splitlines()[0].split("] ")[-1].split(". ")[0]
             raise RankFailure(f"rank {self.rank}: another rank failed or left ({reason})") from None
