@@ -1,11 +1,13 @@
 """ppo_atari.py past one device: data-parallel ranks (gloo on CPU), directly and under torchrun."""
 
+import json
 import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -64,17 +66,21 @@ def run_rank(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def start_ranks(target, folder: Path, *args) -> list:
+    port = free_port()
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=target, args=(rank, port, str(folder / f"rank{rank}.pt"), *args))
+                 for rank in range(2)]
+    for process in processes:
+        process.start()
+    return processes
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """Two gloo ranks, each with its own data, through `UPDATES` updates of the real trainer."""
     folder = tmp_path_factory.mktemp("ranks")
-    port = free_port()
-    context = mp.get_context("spawn")
-    processes = [context.Process(target=run_rank, args=(rank, port, str(folder / f"rank{rank}.pt")))
-                 for rank in range(2)]
-    for process in processes:
-        process.start()
-    for process in processes:
+    for process in start_ranks(run_rank, folder):
         process.join(timeout=300)
         assert process.exitcode == 0
     return [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
@@ -109,6 +115,46 @@ def test_ranks_equal_one_process_on_the_combined_batch(two_ranks):
         assert single["policy_loss"] == pytest.approx(stats["policy_loss"], rel=1e-4, abs=1e-6)
     for name, tensor in trainer.model.state_dict().items():
         torch.testing.assert_close(tensor, rank0["final"][name], rtol=1e-4, atol=1e-6)
+
+
+def run_failing_rank(rank: int, port: int, out: str, dies_in: str) -> None:
+    """Rank 1 dies after one update, in the next rollout or the next update; rank 0 goes on and
+    writes down how it ended, then leaves at once, the moment at which an abort would come."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    trainer = ppo_atari.Trainer(ppo_atari.Config(**CONFIG), RandomFrames(2, seed=rank), torch.device("cpu"),
+                                ranks=ppo_atari.Ranks(size=2, rank=rank))
+    trainer.update_policy(trainer.collect_rollout())
+    if rank == 1:
+        if dies_in == "update":
+            trainer.collect_rollout()
+        os._exit(3)
+    try:
+        for _ in range(5):
+            trainer.update_policy(trainer.collect_rollout())
+        Path(out).write_text(json.dumps({"message": "went on without rank 1"}))
+    except ppo_atari.RankFailure as error:
+        # The failed operation's tensors must still be held here, by the kept error's frames.
+        kept = ppo_atari.FAILED_COLLECTIVES
+        frames = traceback.walk_tb(kept[0].__traceback__) if kept else []
+        tensors = sum(isinstance(value, torch.Tensor) for frame, _ in frames for value in frame.f_locals.values())
+        Path(out).write_text(json.dumps({"message": str(error), "kept": len(kept), "tensors": tensors}))
+
+
+@pytest.mark.parametrize("dies_in", ["rollout", "update"])
+def test_a_failed_rank_stops_the_other_with_one_line(tmp_path, dies_in):
+    processes = start_ranks(run_failing_rank, tmp_path, dies_in)
+    try:
+        for process in processes:
+            process.join(timeout=120)
+    finally:
+        for process in processes:
+            process.kill()
+    # -6 for rank 0 would be gloo's thread aborting the process as it shuts down (see FAILED_COLLECTIVES).
+    assert [process.exitcode for process in processes] == [0, 3]
+    report = json.loads((tmp_path / "rank0.pt").read_text())
+    message = report["message"]
+    assert message.startswith("rank 0: another rank failed or left (") and "\n" not in message, message
+    assert report["kept"] == 1 and report["tensors"] >= 1, report
 
 
 def torchrun(*args, **popen):

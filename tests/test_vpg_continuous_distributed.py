@@ -1,11 +1,13 @@
 """vpg_continuous.py past one device: data-parallel ranks (gloo on CPU), directly and under torchrun."""
 
+import json
 import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -82,10 +84,11 @@ def run_rank(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def start_ranks(target, folder: Path) -> list:
+def start_ranks(target, folder: Path, *args) -> list:
     port = free_port()
     context = mp.get_context("spawn")
-    processes = [context.Process(target=target, args=(rank, port, str(folder / f"rank{rank}.pt"))) for rank in range(2)]
+    processes = [context.Process(target=target, args=(rank, port, str(folder / f"rank{rank}.pt"), *args))
+                 for rank in range(2)]
     for process in processes:
         process.start()
     return processes
@@ -159,33 +162,44 @@ def test_the_pooled_statistics_are_those_of_both_streams(two_ranks):
     assert scaler["var"].item() == pytest.approx(returns.var(), rel=1e-10)
 
 
-def run_failing_rank(rank: int, port: int, out: str) -> None:
-    """Rank 1 dies after one update; rank 0 goes on and writes down how it ended."""
+def run_failing_rank(rank: int, port: int, out: str, dies_in: str) -> None:
+    """Rank 1 dies after one update, in the next rollout or the next update; rank 0 goes on and
+    writes down how it ended, then leaves at once, the moment at which an abort would come."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     trainer = vpg.Trainer(vpg.Config(**CONFIG), DriftingTask(2, seed=rank), torch.device("cpu"),
                           ranks=vpg.Ranks(size=2, rank=rank))
     trainer.update_policy(trainer.collect_rollout())
     if rank == 1:
+        if dies_in == "update":
+            trainer.collect_rollout()
         os._exit(3)
     try:
         for _ in range(5):
             trainer.update_policy(trainer.collect_rollout())
-        Path(out).write_text("went on without rank 1")
+        Path(out).write_text(json.dumps({"message": "went on without rank 1"}))
     except vpg.RankFailure as error:
-        Path(out).write_text(str(error))
+        # The failed operation's tensors must still be held here, by the kept error's frames.
+        kept = vpg.FAILED_COLLECTIVES
+        frames = traceback.walk_tb(kept[0].__traceback__) if kept else []
+        tensors = sum(isinstance(value, torch.Tensor) for frame, _ in frames for value in frame.f_locals.values())
+        Path(out).write_text(json.dumps({"message": str(error), "kept": len(kept), "tensors": tensors}))
 
 
-def test_a_failed_rank_brings_the_other_down_with_one_line(tmp_path):
-    processes = start_ranks(run_failing_rank, tmp_path)
+@pytest.mark.parametrize("dies_in", ["rollout", "update"])
+def test_a_failed_rank_brings_the_other_down_with_one_line(tmp_path, dies_in):
+    processes = start_ranks(run_failing_rank, tmp_path, dies_in)
     try:
         for process in processes:
             process.join(timeout=120)
     finally:
         for process in processes:
             process.kill()
+    # -6 for rank 0 would be gloo's thread aborting the process as it shuts down (see FAILED_COLLECTIVES).
     assert [process.exitcode for process in processes] == [0, 3]
-    message = (tmp_path / "rank0.pt").read_text()
+    report = json.loads((tmp_path / "rank0.pt").read_text())
+    message = report["message"]
     assert message.startswith("rank 0: another rank failed or left (") and "\n" not in message, message
+    assert report["kept"] == 1 and report["tensors"] >= 1, report
 
 
 def test_each_rank_steps_its_own_slice_of_the_run_envs():
