@@ -14,3 +14,11 @@ def breakout_id() -> str:
     import ppo_atari
 
     return ppo_atari.resolve_env_id("Breakout")
+
+
+def pytest_collection_modifyitems(items):
+    """Run the tests of ppo_jax.py last. Once JAX has started its thread pools, a fork from this
+    process (the other scripts' workers fork by default on Linux) copies a process whose other
+    threads may hold locks the child then waits on forever; JAX warns of it at every fork. The sort
+    is stable, so every file keeps its own order."""
+    items.sort(key=lambda item: item.path.name.startswith("test_ppo_jax"))
