@@ -82,6 +82,20 @@ def run_rank(rank: int, port: int, out: str) -> None:
                 "observations": np.concatenate(envs.observations), "rewards": np.stack(envs.rewards),
                 "done": np.stack(envs.done)}, out)
     dist.destroy_process_group()
+    vpg.exit_process(0, ranks=2)  # as the script ends a rank
+
+
+def test_a_rank_exits_with_its_status_and_its_output_flushed():
+    # A rank skips the interpreter's shutdown (see `exit_process`), here an exit handler, but what
+    # it printed must still arrive.
+    program = ("import atexit, sys, vpg_continuous; atexit.register(print, 'shut down'); "
+               "print('written', end=''); print('and this', end='', file=sys.stderr); "
+               "vpg_continuous.exit_process(5, ranks=2)")
+    ended = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (ended.returncode, ended.stdout, ended.stderr) == (5, "written", "and this")
+    with pytest.raises(SystemExit) as stopped:
+        vpg.exit_process(3, ranks=1)  # one process exits as usual, through SystemExit
+    assert stopped.value.code == 3
 
 
 def start_ranks(target, folder: Path, *args) -> list:
