@@ -1176,10 +1176,6 @@ class RankFailure(RuntimeError):
 FAILED_COLLECTIVES: list[RuntimeError] = []
 
 
-def keep_until_exit(error: RuntimeError) -> None:
-    FAILED_COLLECTIVES.append(error)
-
-
 class Ranks:
     """The processes of a data-parallel run and the few collective operations that PPO needs.
 
@@ -1209,17 +1205,18 @@ class Ranks:
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
-    def _failure(self, error: RuntimeError) -> RankFailure:
-        keep_until_exit(error)
-        # gloo says where in its source the connection broke, then why: keep the why.
-        reason = str(error).strip().splitlines()[0].split("] ")[-1].split(". ")[0]
-        return RankFailure(f"rank {self.rank}: another rank failed or left ({reason})")
+    def _collective(self, operation, *args, **kwargs):
+        """Run a collective operation of `torch.distributed`; a rank that died or left is a `RankFailure`."""
+        try:
+            return operation(*args, **kwargs)
+        except RuntimeError as error:  # gloo: the connection to a rank that died was closed or reset
+            FAILED_COLLECTIVES.append(error)
+            # gloo says where in its source the connection broke, then why: keep the why.
+            reason = str(error).strip().splitlines()[0].split("] ")[-1].split(". ")[0]
+            raise RankFailure(f"rank {self.rank}: another rank failed or left ({reason})") from None
 
     def _all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        try:
-            dist.all_reduce(tensor, op=op)
-        except RuntimeError as error:  # gloo: the connection to a rank that died was reset
-            raise self._failure(error) from None
+        self._collective(dist.all_reduce, tensor, op=op)
         return tensor
 
     def mean(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -1256,10 +1253,7 @@ class Ranks:
         """Start every rank from rank 0's initialisation."""
         if self.size > 1:
             for tensor in model.state_dict().values():
-                try:
-                    dist.broadcast(tensor, src=0)
-                except RuntimeError as error:
-                    raise self._failure(error) from None
+                self._collective(dist.broadcast, tensor, src=0)
 
     def largest(self, value: int, device: torch.device) -> int:
         """The largest of the ranks' values: the signal that stops them all, or 0 if none came."""
@@ -1272,10 +1266,7 @@ class Ranks:
         if self.size == 1:
             return [value]
         values = [None] * self.size
-        try:
-            dist.all_gather_object(values, value)
-        except RuntimeError as error:
-            raise self._failure(error) from None
+        self._collective(dist.all_gather_object, values, value)
         return values
 
 

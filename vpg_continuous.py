@@ -1598,10 +1598,6 @@ class RankFailure(RuntimeError):
 FAILED_COLLECTIVES: list[RuntimeError] = []
 
 
-def keep_until_exit(error: RuntimeError) -> None:
-    FAILED_COLLECTIVES.append(error)
-
-
 class Ranks:
     """The processes of a data-parallel run and the few collective operations that VPG needs.
 
@@ -1637,7 +1633,7 @@ class Ranks:
         try:
             return operation(*args, **kwargs)
         except RuntimeError as error:  # gloo: the connection to the rank that died was closed or reset
-            keep_until_exit(error)
+            FAILED_COLLECTIVES.append(error)
             # gloo says where in its source the connection broke, then why: keep the why.
             reason = str(error).strip().splitlines()[0].split("] ")[-1].split(". ")[0]
             raise RankFailure(f"rank {self.rank}: another rank failed or left ({reason})") from None
