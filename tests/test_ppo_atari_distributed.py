@@ -126,7 +126,9 @@ def test_ranks_equal_one_process_on_the_combined_batch(two_ranks):
         combined = ppo_atari.Rollout(**{name: torch.cat([first[name], second[name]], dim=1) for name in first})
         single = trainer.update_policy(combined)
         assert single["learning_rate"] == stats["learning_rate"]
-        assert single["policy_loss"] == pytest.approx(stats["policy_loss"], rel=1e-4, abs=1e-6)
+        # The policy loss sits near 0 (normalised advantages average to 0 at ratio 1), so its
+        # tolerance is absolute: float32 sums in another order moved it by up to 1.1e-6 (of 1.8e-3).
+        assert single["policy_loss"] == pytest.approx(stats["policy_loss"], rel=1e-4, abs=1e-5)
     for name, tensor in trainer.model.state_dict().items():
         torch.testing.assert_close(tensor, rank0["final"][name], rtol=1e-4, atol=1e-6)
 
