@@ -513,8 +513,11 @@ def render_script_page(script: Script, links: dict[str, str]) -> str:
             if previous is not None and any(lines[n - 1].strip() for n in range(previous + 1, number)):
                 code.append('<span class="gap" aria-hidden="true"></span>')
             # The number is drawn by CSS from `data-n`, so that copying the code leaves it behind; it
-            # links to the line, for the mouse only.
-            code.append(f'<span class="line" id="L{number}"><a class="ln" href="#L{number}" data-n="{number}" '
+            # links to the line, for the mouse only. `--indent` (the line's leading spaces) lets a line
+            # too long for the column wrap to 4 columns past its own indentation.
+            indent = len(lines[number - 1]) - len(lines[number - 1].lstrip(" "))
+            style = f' style="--indent:{indent}"' if indent else ""
+            code.append(f'<span class="line" id="L{number}"{style}><a class="ln" href="#L{number}" data-n="{number}" '
                         f'tabindex="-1" aria-hidden="true"></a>{code_html[number - 1]}</span>\n')
         attributes = "".join([' class="section"' if prose else ' class="section no-prose"',
                               f' data-definition="{section.definition}"' if section.definition else "",

@@ -235,6 +235,39 @@ def test_on_a_phone_prose_comes_above_its_code_and_nothing_is_too_wide(opened, s
     assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
 
 
+# Every block of code or commands, and every line in it, that reaches past the right edge of its box.
+# Such text is hidden: a headless or touch browser draws no scroll bar to say that there is more.
+CUT_OFF = """() => {
+  const cut = [];
+  for (const pre of document.querySelectorAll('pre')) {
+    const right = pre.getBoundingClientRect().right;
+    if (pre.scrollWidth > pre.clientWidth + 1) cut.push('block: ' + pre.textContent.slice(0, 60));
+    for (const line of pre.querySelectorAll('.line'))
+      for (const rect of line.getClientRects())
+        if (rect.right > right + 1) cut.push(line.id + ': ' + line.textContent.slice(0, 60));
+  }
+  return cut;
+}"""
+
+
+@pytest.mark.parametrize("viewport", [LAPTOP, PHONE], ids=["laptop", "phone"])
+@pytest.mark.parametrize("name", PAGES + ["index.html"])
+def test_no_code_or_command_is_cut_off_at_the_right(opened, name, viewport):
+    page = opened(name, viewport).page
+    cut = page.evaluate(CUT_OFF)
+    assert not cut, f"{name} hides the end of {len(cut)} lines: {cut[:5]}"
+    # A long line wraps, and its continuation starts right of where the line itself starts.
+    if name != "index.html":
+        assert page.evaluate("document.querySelectorAll('.prose pre.block').length") > 0  # the commands
+        hanging = page.evaluate("""() => [...document.querySelectorAll('.code .line')]
+            .filter(l => l.getClientRects().length === 1 && l.getBoundingClientRect().height > 30).slice(0, 20)
+            .map(l => { const r = document.createRange(); r.selectNodeContents(l);
+                        const rects = [...r.getClientRects()].filter(x => x.width > 0);
+                        return [l.id, rects[0].left, Math.min(...rects.filter(x => x.top > rects[0].top + 5).map(x => x.left))]; })""")
+        assert hanging, f"{name}: no line long enough to wrap at {viewport['width']} px"
+        assert all(continued > first for _, first, continued in hanging), hanging
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
 def test_code_lines_carry_the_line_numbers_of_the_script(opened, script):
     lines = script.read_text().split("\n")
