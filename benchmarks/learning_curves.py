@@ -44,8 +44,9 @@ or a file. ppo_atari.py and vpg_continuous.py (and ppo_jax.py on Atari) then sto
 first update that reaches the budget: the SIGINT arrives while the next rollout is played, and they
 drop an unfinished rollout. ppo_jax.py on a gymnax environment runs compiled pieces of
 `--checkpoint-every` updates and sees a signal only between two of them: it stops at the end of
-the first piece that reaches the budget, or of the one after it when the signal comes late. Steps
-past the budget stay in the run and are simply past the end of this budget's curve. When the
+the first piece that reaches the budget, or of the one after it when the signal comes late (give it
+`-- --checkpoint-every N` with pieces that end on the budget). Steps past the budget stay in the
+run and are simply past the end of this budget's curve. When the
 budget is the schedule, the run is left to finish by itself (exit 0). What the script prints goes
 to `<run dir>/learning_curves.log`, and its other lines and a progress line every 10 seconds to
 this terminal.
@@ -135,6 +136,13 @@ SCORE_TAG = "charts/episodic_return"
 
 
 # ## The tasks
+#
+# A task is a preset: the script, the environment, the schedule of the full run, the budget and the
+# seeds of the curve the issue asks for, and its anchors. The anchors' sources: CleanRL's docs page of
+# `ppo_atari.py` (docs.cleanrl.dev, PPO, its Breakout curve read by eye at 1M, 2M and 5M; 414.66 ± 28.09
+# at 10M from its table); Spinning Up's benchmark page (VPG in PyTorch on HalfCheetah, 3M steps, ≈ 630
+# at the end); PureJaxRL's README (github.com/luchris429/purejaxrl), whose two plots are against
+# seconds, not steps, and end at 500 on CartPole-v1 and near 40 on MinAtar-Breakout.
 
 
 @dataclass(frozen=True)
@@ -180,8 +188,8 @@ TASKS = {task.name: task for task in [
     Task("cartpole-jax", "ppo_jax.py", "CartPole-v1", schedule=500_000, budget=500_000, seeds=(1,),
          flags=("--num-seeds", "16"), unit="updates",
          anchors=(Anchor("PureJaxRL PPO (README plot): 500 at its run's end", ((500_000, 500.0),), level=True),)),
-    # PureJaxRL's README plots MinAtar-Breakout against seconds, not steps; its curve ends near 40.
-    # Its MinAtar example trains for 1e7 steps with 64 envs x 128 steps, the scale of this preset.
+    # The README does not say how long its MinAtar run was; PureJaxRL's MinAtar example notebook trains
+    # for 1e7 steps of 64 envs x 128 steps, the scale of this preset (but with a learning rate of 5e-3).
     Task("minatar-breakout-jax", "ppo_jax.py", "Breakout-MinAtar", schedule=10_000_000, budget=10_000_000,
          seeds=(1,), flags=("--num-seeds", "4"), unit="updates",
          anchors=(Anchor("PureJaxRL PPO (README plot, against seconds): ≈ 40 at its run's end",
@@ -337,7 +345,7 @@ def train_seed(task: Task, seed: int, runs: Path) -> None:
             print(f"[{label}] already at step {record.end:,} (budget {task.budget:,}): skipped", file=sys.stderr)
             return
         checkpoint = checkpoint_of(run_dir)
-        if checkpoint is None and record.times:
+        if checkpoint is None and record.time_steps:
             raise UsageError(f"{run_dir} holds the events of a run but no checkpoint to resume it from; "
                              "remove the directory to start that seed again")
     else:
@@ -574,7 +582,8 @@ def draw_curve(axes, x: list[float], curve: Curve) -> None:
     kind = "agents" if any("_agent_" in name for name in curve.scores) else "seeds"
     if count > 1:
         axes.fill_between(x, low, high, alpha=0.25, linewidth=0, label=f"min to max over the {kind}")
-    axes.plot(x, mean, linewidth=2, label=f"mean over {count} {kind}" if count > 1 else describe_curves(list(curve.scores)))
+    label = f"mean over {count} {kind}" if count > 1 else describe_curves(list(curve.scores))
+    axes.plot(x, mean, linewidth=2, label=label)
     if all(math.isnan(value) for value in mean):
         axes.text(0.5, 0.5, "no point yet", transform=axes.transAxes, ha="center", va="center", color="grey")
 
@@ -645,20 +654,21 @@ class OneLineParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog=PROG, description=__doc__.strip().splitlines()[0],
                            epilog="Anything after `--` is passed on to the script. See the module docstring.")
-    parser.add_argument("task", nargs="?", help="a task (see --list); or leave it out and give --script, --env, --schedule")
-    parser.add_argument("--list", action="store_true", help="print the tasks, their settings and anchors, and exit")
-    parser.add_argument("--script", help="a task of your own: the script to run (ppo_atari.py, vpg_continuous.py, ppo_jax.py)")
-    parser.add_argument("--env", help="a task of your own: the environment, as the script's --env takes it")
-    parser.add_argument("--schedule", type=parse_steps, help="the --total-timesteps of the full run, which the annealing follows")
-    parser.add_argument("--name", help="a task of your own: its name, for its runs and files (default: <script>-<env>)")
-    parser.add_argument("--budget", type=parse_steps, help="stop each run at this step (default: the task's; at most the schedule)")
-    parser.add_argument("--seeds", type=int, nargs="+", help="the seeds to run, one process each (default: the task's)")
-    parser.add_argument("--window", type=int, default=100, help="scores averaged at each point of the curve (default: 100)")
-    parser.add_argument("--points", type=int, default=100, help="points of the curve, evenly spaced up to the budget (default: 100)")
-    parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "curves", help="where the runs go (default: runs/curves)")
-    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results",
-                        help="where the CSV and the plots go (default: benchmarks/results)")
-    parser.add_argument("--plot-only", action="store_true", help="redraw from the runs (without runs, from the CSV); train nothing")
+    flag = parser.add_argument
+    flag("task", nargs="?", help="a task (see --list); or leave it out and give --script, --env, --schedule")
+    flag("--list", action="store_true", help="print the tasks, their settings and anchors, and exit")
+    flag("--script", help="a task of your own: the script to run (ppo_atari.py, vpg_continuous.py, ppo_jax.py)")
+    flag("--env", help="a task of your own: the environment, as the script's --env takes it")
+    flag("--schedule", type=parse_steps, help="the --total-timesteps of the full run, which the annealing follows")
+    flag("--name", help="a task of your own: its name, for its runs and files (default: <script>-<env>)")
+    flag("--budget", type=parse_steps, help="stop each run at this step (default: the task's; at most the schedule)")
+    flag("--seeds", type=int, nargs="+", help="the seeds to run, one process each (default: the task's)")
+    flag("--window", type=int, default=100, help="scores averaged at each point of the curve (default: 100)")
+    flag("--points", type=int, default=100, help="points of the curve, evenly spaced up to the budget (default: 100)")
+    flag("--runs", type=Path, default=ROOT / "runs" / "curves", help="where the runs go (default: runs/curves)")
+    flag("--results", type=Path, default=ROOT / "benchmarks" / "results",
+         help="where the CSV and the plots go (default: benchmarks/results)")
+    flag("--plot-only", action="store_true", help="redraw from the runs (without runs, from the CSV); train nothing")
     return parser
 
 
@@ -671,7 +681,8 @@ def resolve_task(args: argparse.Namespace, extra: list[str]) -> Task:
             hint = f" (did you mean {' or '.join(close)}?)" if close else ""
             raise UsageError(f"unknown task {args.task!r}{hint}; the tasks are {', '.join(TASKS)}")
         if own:
-            raise UsageError(f"{' and '.join(own)} describe a task of your own; leave out the task name {args.task!r}")
+            raise UsageError(f"a task name ({args.task!r}) and {' '.join(own)} cannot be used together: "
+                             "those flags describe a task of your own")
         task = TASKS[args.task]
     else:
         missing = [flag for flag, value in [("--script", args.script), ("--env", args.env),
@@ -749,10 +760,11 @@ def main(argv: list[str] | None = None) -> int:
                 task = replace(task, budget=curve.steps[-1])
         else:
             raise UsageError(f"nothing to draw: no runs of {task.name} in {runs} and no {csv_path}")
-        plot_steps(curve, task, args.window, results / f"{task.name}.png")
-        plot_time(curve, task, args.window, results / f"{task.name}_time.png")
+        plots = [results / f"{task.name}.png", results / f"{task.name}_time.png"]
+        plot_steps(curve, task, args.window, plots[0])
+        plot_time(curve, task, args.window, plots[1])
         report(task, curve)
-        print(f"wrote {csv_path}, {results / f'{task.name}.png'} and {results / f'{task.name}_time.png'}")
+        print("wrote " + ", ".join(map(str, ([csv_path] if records else []) + plots)))
         return 0
     except UsageError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
