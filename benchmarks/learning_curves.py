@@ -140,7 +140,7 @@ SCORE_TAG = "charts/episodic_return"
 # A task is a preset: the script, the environment, the schedule of the full run, the budget and the
 # seeds of the curve the issue asks for, and its anchors. The anchors' sources: CleanRL's docs page of
 # `ppo_atari.py` (docs.cleanrl.dev, PPO, its Breakout curve read by eye at 1M, 2M and 5M; 414.66 ± 28.09
-# at 10M from its table); Spinning Up's benchmark page (VPG in PyTorch on HalfCheetah, 3M steps, ≈ 630
+# at 10M from its table); Spinning Up's benchmark page (VPG in PyTorch on HalfCheetah-v3, 3M steps, ≈ 630
 # at the end); PureJaxRL's README (github.com/luchris429/purejaxrl), whose two plots are against
 # seconds, not steps, and end at 500 on CartPole-v1 and near 40 on MinAtar-Breakout.
 
@@ -184,7 +184,7 @@ TASKS = {task.name: task for task in [
     Task("breakout", "ppo_atari.py", "Breakout", schedule=10_000_000, budget=2_000_000, seeds=(1, 2),
          score="score", unit="games", anchors=(CLEANRL_BREAKOUT,)),
     Task("halfcheetah", "vpg_continuous.py", "HalfCheetah-v5", schedule=1_000_000, budget=1_000_000, seeds=(1, 2, 3),
-         anchors=(Anchor("Spinning Up VPG (PyTorch benchmark): ≈ 630 at 3M", ((3_000_000, 630.0),), level=True),)),
+         anchors=(Anchor("Spinning Up VPG (PyTorch, HalfCheetah-v3): ≈ 630 at 3M", ((3_000_000, 630.0),), level=True),)),
     Task("cartpole-jax", "ppo_jax.py", "CartPole-v1", schedule=500_000, budget=500_000, seeds=(1,),
          flags=("--num-seeds", "16"), unit="updates",
          anchors=(Anchor("PureJaxRL PPO (README plot): 500 at its run's end", ((500_000, 500.0),), level=True),)),
@@ -730,8 +730,8 @@ def report(task: Task, curve: Curve) -> None:
                        for name, values in curve.scores.items() if values[last] is not None)
     print(f"{task.name} at step {curve.steps[last]:,}: mean {curve.mean[last]:.1f} ({scores})")
     for anchor in task.anchors:
-        points = [(step, score) for step, score in anchor.points if step <= task.budget or anchor.level]
-        print(f"    {anchor.source}: " + ", ".join(f"{score:g} at {format_steps(step)}" for step, score in points))
+        points = [f"{score:g} at {format_steps(step)}" for step, score in anchor.points if step <= task.budget]
+        print(f"    {anchor.source}" + (": " + ", ".join(points) if points and not anchor.level else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
