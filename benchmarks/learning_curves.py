@@ -1,0 +1,784 @@
+r"""Learning curves of this project's scripts, drawn beside the published curves they should match.
+
+A curve is made the way a user would make it: the script itself runs through its command line, one
+process per seed, with the schedule of a full run (`--total-timesteps`, so that the learning rate
+and the clip range anneal as they would over the whole run) and is stopped at a budget of steps.
+A run stopped at the budget keeps its checkpoint, so a later call with a larger budget resumes it:
+a 10M-step curve can be built over several sittings, on several machines, one chunk at a time, and
+it is the same curve as one run's. This file then reads the TensorBoard events the runs leave and
+writes, per task, under `benchmarks/results/`:
+
+- `<task>.csv`: the curve, one row per point of a regular grid of steps (the format below);
+- `<task>.png`: the score against steps, the mean over the seeds with their spread (min to max)
+  shaded, and the published points of the task's anchors on the same axes;
+- `<task>_time.png`: the same curve against the training time.
+
+    python benchmarks/learning_curves.py --list                  # the tasks, their settings and anchors
+    python benchmarks/learning_curves.py breakout                # ppo_atari.py, 10M schedule, 2 seeds to 2M
+    python benchmarks/learning_curves.py breakout --budget 5M    # later: the same runs resumed to 5M
+    python benchmarks/learning_curves.py halfcheetah --seeds 1 2 3
+    python benchmarks/learning_curves.py cartpole-jax --plot-only    # redraw, from the runs or the CSV
+    python benchmarks/learning_curves.py --script ppo_atari.py --env Pong --schedule 10M --budget 1M \
+        --seeds 1 2 --name pong -- --num-envs 16                 # any script, env and flags
+
+Anything after `--` is passed on to the script, after the task's own flags. Step counts may be
+written `2M`, `500k`, `1e6` or `2_000_000`. A mistake in the input is one line on stderr and exit
+status 2; a script that fails makes this exit 1, and Ctrl-C 130 (the run saves its checkpoint and
+the same command resumes it).
+
+## The runs
+
+Seed `S` of task `T` runs in `runs/curves/T/seed-S/` (`--runs` moves it; `runs/` is ignored by
+git), as
+
+    python <script> --env <env> --seed S --total-timesteps <schedule> --run-dir runs/curves/T/seed-S [flags]
+
+with `--resume <run dir>/checkpoint.pt` (ppo_jax.py: `checkpoint.msgpack`) added when the run
+dir already holds a checkpoint; flags typed on a resumed run's command line override the
+checkpoint's. A seed whose events already reach the budget is skipped. The scripts have no flag to
+stop at a step: this file reads their progress line (`step 1,024/10,000,000 (0.0%) | ...`) and
+sends one SIGINT once the step shown reaches the budget; the script finishes what it is doing,
+writes its checkpoint and exits 130. The script's stderr is a pseudo-terminal, because the scripts
+print their progress line after every update on a terminal but only every 10 seconds into a pipe
+or a file. ppo_atari.py and vpg_continuous.py (and ppo_jax.py on Atari) then stop exactly at the
+first update that reaches the budget: the SIGINT arrives while the next rollout is played, and they
+drop an unfinished rollout. ppo_jax.py on a gymnax environment runs compiled pieces of
+`--checkpoint-every` updates and sees a signal only between two of them: it stops at the end of
+the first piece that reaches the budget, or of the one after it when the signal comes late (give it
+`-- --checkpoint-every N` with pieces that end on the budget). Steps past the budget stay in the
+run and are simply past the end of this budget's curve. When the
+budget is the schedule, the run is left to finish by itself (exit 0). What the script prints goes
+to `<run dir>/learning_curves.log`, and its other lines and a progress line every 10 seconds to
+this terminal.
+
+## What a point of the curve is
+
+The score at step `t` is the mean of the last `--window` (100) scores logged under
+`charts/episodic_return` at a step of at most `t`, in the order they were logged. ppo_atari.py
+logs one score per finished game (the game's real score over all its lives) and vpg_continuous.py
+one per finished episode, each at the step of the update in which it ended: for them a point is
+the mean real score of the last 100 whole games or episodes. ppo_jax.py on a gymnax environment
+logs, per update, the mean return of the episodes that ended in that update (nothing when none
+did); with `--num-seeds N` it trains N agents in one process and logs each in
+`<run dir>/agent-<i>/` (the run dir itself holds their mean, which is not used here). For those
+runs a point is, for each agent, the mean over the last 100 updates in which an episode of that
+agent ended of the mean return of those episodes: an update's episodes weigh as one, however many
+they were, and the window spans 100 updates rather than 100 episodes. Each agent is a curve of its
+own, spread and mean are over agents, and training time is that of the process, shared by them.
+
+A point is empty for a curve that has no finished game (or episode, or update with one) at or
+before it, and for a run that did not get that far. A run that finished its schedule is counted
+to the schedule's end even when the schedule is not a whole number of batches.
+
+Resumed sittings: each sitting of a run writes a new event file; all are read, in the order they
+were opened. A sitting resumed from a checkpoint older than the last events (a run killed without
+the chance to save) logs again the steps after that checkpoint; the earlier sitting's events from
+the resumed sitting's first step on are dropped, as TensorBoard's purge does, so the assembled
+sittings read as one run's events.
+
+## Training time
+
+The time of an event is the time since the first event of its file (the writer opening, after the
+script has started its workers, or compiled), plus the whole length of every earlier sitting (from
+its first event to its last): sittings are laid end to end, and the pauses between them do not
+count. The time plot places each point of the curve at the mean over the seeds of the time each
+took to reach that step.
+
+## The CSV
+
+    step,seed_1,seed_2,mean,seconds_seed_1,seconds_seed_2
+    20000,0.6,1.2,0.9,96.3,95.1
+
+- `step`: the point of the grid, `budget * i / --points` for i = 1 .. `--points` (100);
+- `seed_<s>` (one agent per process) or `seed_<s>_agent_<i>` (several, ppo_jax.py's
+  `--num-seeds`): the score of each curve at that step, as above, rounded to 3 decimals; empty
+  where it has none;
+- `mean`: the mean of those scores, empty unless every curve's run has reached the step and at
+  least one has a score there;
+- `seconds_<curve>`: the training time in seconds at which that curve's run logged the step (its
+  first update at or past it), one decimal; empty where the run has not reached it.
+
+The curve at a step depends only on the events logged up to it, so a CSV remade after the runs are
+resumed to a larger budget holds the same values at the steps the two grids share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import codecs
+import csv
+import difflib
+import math
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+import typing
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend that needs no display)
+from matplotlib.ticker import FuncFormatter  # noqa: E402
+from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROG = "learning_curves.py"
+CHECKPOINT_NAMES = ("checkpoint.pt", "checkpoint.msgpack")
+SCORE_TAG = "charts/episodic_return"
+
+
+# ## The tasks
+#
+# A task is a preset: the script, the environment, the schedule of the full run, the budget and the
+# seeds of the curve the issue asks for, and its anchors. The anchors' sources: CleanRL's docs page of
+# `ppo_atari.py` (docs.cleanrl.dev, PPO, its Breakout curve read by eye at 1M, 2M and 5M; 414.66 ± 28.09
+# at 10M from its table); Spinning Up's benchmark page (VPG in PyTorch on HalfCheetah-v3, 3M steps, ≈ 630
+# at the end); PureJaxRL's README (github.com/luchris429/purejaxrl), whose two plots are against
+# seconds, not steps, and end at 500 on CartPole-v1 and near 40 on MinAtar-Breakout.
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """Published numbers drawn on the same axes as a curve."""
+
+    source: str
+    """Who published them and where they were read: the legend's label."""
+    points: tuple[tuple[int, float], ...]
+    """(step, score) pairs."""
+    level: bool = False
+    """Draw the first point as a dashed horizontal line: a single number, published at a step that
+    may lie past the budget (the label says at which)."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """A script on an environment, with the schedule of its full run, the budget it is stopped at
+    and the seeds it is run with; its flags; what its score is called; and its anchors."""
+
+    name: str
+    script: str
+    env: str
+    schedule: int
+    budget: int
+    seeds: tuple[int, ...]
+    flags: tuple[str, ...] = ()
+    score: str = "return"
+    unit: str = "episodes"
+    """What one logged score is, for the y axis: `games`, `episodes`, or ppo_jax.py's `updates`."""
+    anchors: tuple[Anchor, ...] = ()
+
+
+CLEANRL_BREAKOUT = Anchor(
+    "CleanRL ppo_atari.py, read off its docs plot (414.66 ± 28.09 at 10M, 3 seeds)",
+    ((1_000_000, 20.0), (2_000_000, 47.5), (5_000_000, 200.0), (10_000_000, 414.7)))
+
+TASKS = {task.name: task for task in [
+    Task("breakout", "ppo_atari.py", "Breakout", schedule=10_000_000, budget=2_000_000, seeds=(1, 2),
+         score="score", unit="games", anchors=(CLEANRL_BREAKOUT,)),
+    Task("halfcheetah", "vpg_continuous.py", "HalfCheetah-v5", schedule=1_000_000, budget=1_000_000, seeds=(1, 2, 3),
+         anchors=(Anchor("Spinning Up VPG (PyTorch, HalfCheetah-v3): ≈ 630 at 3M", ((3_000_000, 630.0),), level=True),)),
+    Task("cartpole-jax", "ppo_jax.py", "CartPole-v1", schedule=500_000, budget=500_000, seeds=(1,),
+         flags=("--num-seeds", "16"), unit="updates",
+         anchors=(Anchor("PureJaxRL PPO (README plot): 500 at its run's end", ((500_000, 500.0),), level=True),)),
+    # The README does not say how long its MinAtar run was; PureJaxRL's MinAtar example notebook trains
+    # for 1e7 steps of 64 envs x 128 steps, the scale of this preset (but with a learning rate of 5e-3).
+    Task("minatar-breakout-jax", "ppo_jax.py", "Breakout-MinAtar", schedule=10_000_000, budget=10_000_000,
+         seeds=(1,), flags=("--num-seeds", "4"), unit="updates",
+         anchors=(Anchor("PureJaxRL PPO (README plot, against seconds): ≈ 40 at its run's end",
+                         ((10_000_000, 40.0),), level=True),)),
+    Task("breakout-jax", "ppo_jax.py", "Breakout", schedule=10_000_000, budget=2_000_000, seeds=(1, 2),
+         score="score", unit="games", anchors=(CLEANRL_BREAKOUT,)),
+]}
+
+UNITS = {"ppo_atari.py": "games", "vpg_continuous.py": "episodes"}
+
+
+class UsageError(Exception):
+    """A mistake in what was asked for: one line, exit status 2."""
+
+
+class RunError(Exception):
+    """A script that failed: one line, exit status 1."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM: the script under way saved its checkpoint; exit status 130."""
+
+
+def parse_steps(text: str) -> int:
+    """A step count: `2000000`, `2_000_000`, `2,000,000`, `2e6`, `2M` or `500k`."""
+    cleaned = text.strip().replace("_", "").replace(",", "")
+    scale = {"k": 1_000, "m": 1_000_000}.get(cleaned[-1:].lower(), 1)
+    number = cleaned[:-1] if scale > 1 else cleaned
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of steps: {text!r}") from None
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"not a whole number of steps: {text!r}")
+    return int(value)
+
+
+def format_steps(steps: float) -> str:
+    """`10M`, `2.5M`, `500k`, `2,048`."""
+    if steps >= 1_000_000 and steps % 10_000 == 0:
+        return f"{steps / 1_000_000:g}M"
+    if steps >= 1_000 and steps % 1_000 == 0:
+        return f"{steps / 1_000:g}k"
+    return f"{steps:,.0f}"
+
+
+# ## Running a seed
+
+
+def checkpoint_of(run_dir: Path) -> Path | None:
+    return next((run_dir / name for name in CHECKPOINT_NAMES if (run_dir / name).exists()), None)
+
+
+def script_command(task: Task, seed: int, run_dir: Path, checkpoint: Path | None) -> list[str]:
+    command = [sys.executable, str(ROOT / task.script), "--env", task.env, "--seed", str(seed),
+               "--total-timesteps", str(task.schedule), "--run-dir", str(run_dir)]
+    if checkpoint is not None:
+        command += ["--resume", str(checkpoint)]
+    return command + list(task.flags)
+
+
+PROGRESS = re.compile(r"step (\d[\d,]*)/(\d[\d,]*)")
+ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def clean(line: str) -> str:
+    """A line of terminal output without its escape sequences (the progress line's erase-line)."""
+    return ESCAPE.sub("", line)
+
+
+def run_sitting(command: list[str], stop_at: int | None, log: Path, label: str) -> tuple[int, bool, bool]:
+    """Run one sitting of a script, its output on a pseudo-terminal, and send it one SIGINT once its
+    progress line shows `stop_at` steps or more. The exit status; whether this sent the SIGINT at the
+    budget; whether this process was interrupted (its first signal is passed on as the script's stop
+    request, a second one as the script's abort)."""
+    master, slave = pty.openpty()
+    # A session of its own: a Ctrl-C at this terminal reaches this process alone, which passes on
+    # exactly one SIGINT (a second one would make the scripts abort without a checkpoint).
+    process = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
+                               start_new_session=True)
+    os.close(slave)
+    sent, at_budget, interruptions = 0, False, 0
+
+    def interrupt(signum, frame) -> None:
+        nonlocal sent, interruptions
+        interruptions += 1
+        if sent == 0 or interruptions > 1:
+            process.send_signal(signal.SIGINT)
+            sent += 1
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pending, last_progress, last_shown, shown_at = "", "", "", 0.0
+    with log.open("a") as log_file:
+
+        def show(line: str) -> None:
+            nonlocal last_shown, shown_at
+            print(line, file=log_file, flush=True)
+            print(f"[{label}] {line}", file=sys.stderr, flush=True)
+            last_shown, shown_at = line, time.monotonic()
+
+        show("$ " + " ".join(command))
+        try:
+            while True:
+                ready, _, _ = select.select([master], [], [], 0.5)
+                if not ready:
+                    if process.poll() is not None:
+                        break
+                    continue
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: every process that held the terminal has closed it
+                    break
+                if not chunk:
+                    break
+                # On a terminal the progress line is redrawn in place ("\r", erase, line) with no newline
+                # after it: it is complete once written, so the unfinished tail is searched too.
+                *lines, pending = re.split(r"[\r\n]", pending + decoder.decode(chunk))
+                for line in map(clean, lines):
+                    if PROGRESS.match(line):
+                        last_progress = line
+                        if time.monotonic() - shown_at >= 10.0:
+                            show(line)
+                    elif line.strip():
+                        show(line)
+                for line in map(clean, [*lines, pending]):
+                    match = PROGRESS.match(line)
+                    if match and stop_at is not None and sent == 0 and int(match[1].replace(",", "")) >= stop_at:
+                        process.send_signal(signal.SIGINT)
+                        sent, at_budget = 1, True
+                        show(line)
+                        show(f"the budget of {stop_at:,} steps is reached: SIGINT sent")
+                        last_progress = line
+            if clean(pending).strip():
+                show(clean(pending))
+            if last_progress and last_progress not in (last_shown, clean(pending)):
+                show(last_progress)
+            status = process.wait()
+        finally:
+            os.close(master)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    return status, at_budget, interruptions > 0
+
+
+def train_seed(task: Task, seed: int, runs: Path) -> None:
+    """Run one seed of a task to its budget, fresh or resumed; nothing when it is already there."""
+    run_dir = runs / task.name / f"seed-{seed}"
+    label = f"{task.name} seed {seed}"
+    if run_dir.exists():
+        record = read_record(run_dir, task.schedule)
+        if record.end >= task.budget:
+            print(f"[{label}] already at step {record.end:,} (budget {task.budget:,}): skipped", file=sys.stderr)
+            return
+        checkpoint = checkpoint_of(run_dir)
+        if checkpoint is None and record.time_steps:
+            raise UsageError(f"{run_dir} holds the events of a run but no checkpoint to resume it from; "
+                             "remove the directory to start that seed again")
+    else:
+        checkpoint = None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # The run is stopped at the budget, unless the budget is the schedule: then the script ends by itself.
+    stop_at = task.budget if task.budget < task.schedule else None
+    started = time.monotonic()
+    status, at_budget, interrupted = run_sitting(script_command(task, seed, run_dir, checkpoint), stop_at,
+                                                 run_dir / "learning_curves.log", label)
+    if interrupted:
+        raise Interrupted(f"{label} stopped with status {status}")
+    if status != 0 and not (status == 130 and at_budget):
+        raise RunError(f"{label}: {task.script} exited with status {status}; "
+                       f"its output is in {run_dir / 'learning_curves.log'}")
+    print(f"[{label}] sitting done in {(time.monotonic() - started) / 60:.1f} min", file=sys.stderr)
+
+
+# ## Reading the events
+
+
+@dataclass
+class Sitting:
+    """One event file: one sitting of a run, from the writer opening to its last event."""
+
+    start: float
+    """Wall time of the file's first event."""
+    span: float
+    """Seconds from the first event to the last."""
+    steps: list[tuple[int, float]]
+    """(step, wall time) of every scalar, in the order logged."""
+    scores: list[tuple[int, float]]
+    """(step, score) of every finite `charts/episodic_return`, in the order logged."""
+
+
+def read_sitting(path: Path) -> Sitting:
+    steps, scores, first, last = [], [], None, None
+    for event in LegacyEventFileLoader(str(path)).Load():
+        first = event.wall_time if first is None else first
+        last = event.wall_time
+        for value in event.summary.value:
+            if value.WhichOneof("value") != "simple_value":
+                continue
+            steps.append((event.step, event.wall_time))
+            if value.tag == SCORE_TAG and math.isfinite(value.simple_value):
+                scores.append((event.step, value.simple_value))
+    if first is None:
+        return Sitting(0.0, 0.0, [], [])
+    return Sitting(first, last - first, steps, scores)
+
+
+@dataclass
+class Record:
+    """One agent's run over all its sittings."""
+
+    score_steps: list[int]
+    scores: list[float]
+    time_steps: list[int]
+    seconds: list[float]
+    """Training time at each logged scalar, steps in order."""
+    end: int
+    """The step the run is known to have reached."""
+
+
+def event_files(directory: Path) -> list[Path]:
+    return [path for path in directory.glob("events.out.tfevents.*") if path.is_file()]
+
+
+def read_record(directory: Path, schedule: int) -> Record:
+    """The scores and the training time of a run directory's events, all its sittings assembled."""
+    sittings = sorted((read_sitting(path) for path in event_files(directory)), key=lambda sitting: sitting.start)
+    scores: list[tuple[int, float]] = []
+    times: list[tuple[int, float]] = []
+    offset = 0.0
+    for sitting in sittings:
+        if sitting.steps:
+            # A resumed sitting's first step is one update past its checkpoint: what an earlier
+            # sitting logged from there on was done again, and this sitting's events replace it.
+            first = min(step for step, _ in sitting.steps)
+            scores = [item for item in scores if item[0] < first] + sitting.scores
+            times = [item for item in times if item[0] < first]
+            times += [(step, offset + wall - sitting.start) for step, wall in sitting.steps]
+        offset += sitting.span
+    times.sort(key=lambda item: item[0])  # stable: the events of one step keep their order
+    end = times[-1][0] if times else 0
+    # A run that finished its schedule got as far as it can, even when the schedule is not a whole
+    # number of batches (the script trains `schedule // batch` updates): the next update would pass it.
+    distinct = sorted({step for step, _ in times})
+    batch = min((b - a for a, b in zip(distinct, distinct[1:])), default=None)
+    if batch is not None and end + batch > schedule:
+        end = max(end, schedule)
+    return Record([step for step, _ in scores], [score for _, score in scores],
+                  [step for step, _ in times], [seconds for _, seconds in times], end)
+
+
+def score_at(record: Record, step: int, window: int) -> float | None:
+    """The mean of the last `window` scores logged at or before `step`; None without one or past the run's end."""
+    if record.end < step:
+        return None
+    count = bisect.bisect_right(record.score_steps, step)
+    if count == 0:
+        return None
+    values = record.scores[max(0, count - window):count]
+    return sum(values) / len(values)
+
+
+def seconds_at(record: Record, step: int) -> float | None:
+    """The training time at which the run logged `step` (its first update at or past it)."""
+    if record.end < step or not record.seconds:
+        return None
+    index = bisect.bisect_left(record.time_steps, step)
+    return record.seconds[min(index, len(record.seconds) - 1)]
+
+
+def records_of(task: Task, runs: Path, seeds: typing.Iterable[int]) -> dict[str, Record]:
+    """Each curve of a task's runs, by its CSV name: `seed_<s>`, or `seed_<s>_agent_<i>` for each agent
+    of a ppo_jax.py run of several (their `agent-<i>/` directories; the run dir holds their mean)."""
+    records = {}
+    for seed in seeds:
+        run_dir = runs / task.name / f"seed-{seed}"
+        agents = sorted((path for path in run_dir.glob("agent-*") if path.is_dir()),
+                        key=lambda path: int(path.name.split("-")[1]))
+        if agents:
+            for agent in agents:
+                records[f"seed_{seed}_agent_{agent.name.split('-')[1]}"] = read_record(agent, task.schedule)
+        elif run_dir.is_dir():
+            records[f"seed_{seed}"] = read_record(run_dir, task.schedule)
+    return records
+
+
+# ## The curve and its CSV
+
+
+@dataclass
+class Curve:
+    """The curves of a task on a grid of steps: what the CSV holds."""
+
+    steps: list[int]
+    scores: dict[str, list[float | None]]
+    seconds: dict[str, list[float | None]]
+    mean: list[float | None]
+
+
+def grid(budget: int, points: int) -> list[int]:
+    return sorted({round(budget * i / points) for i in range(1, points + 1)})
+
+
+def mean_of(scores: list[float | None], seconds: list[float | None]) -> float | None:
+    """The mean over the curves, where every run has reached the step and at least one has a score."""
+    present = [score for score in scores if score is not None]
+    if not present or any(value is None for value in seconds):
+        return None
+    return sum(present) / len(present)
+
+
+def make_curve(records: dict[str, Record], budget: int, points: int, window: int) -> Curve:
+    steps = grid(budget, points)
+    scores = {name: [score_at(record, step, window) for step in steps] for name, record in records.items()}
+    seconds = {name: [seconds_at(record, step) for step in steps] for name, record in records.items()}
+    mean = [mean_of([scores[name][i] for name in records], [seconds[name][i] for name in records])
+            for i in range(len(steps))]
+    return Curve(steps, scores, seconds, mean)
+
+
+def cell(value: float | None, digits: int) -> str:
+    return "" if value is None else str(round(value, digits))
+
+
+def write_csv(curve: Curve, path: Path) -> None:
+    names = list(curve.scores)
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file, lineterminator="\n")
+        writer.writerow(["step", *names, "mean", *(f"seconds_{name}" for name in names)])
+        for i, step in enumerate(curve.steps):
+            writer.writerow([step, *(cell(curve.scores[name][i], 3) for name in names), cell(curve.mean[i], 3),
+                             *(cell(curve.seconds[name][i], 1) for name in names)])
+
+
+def read_csv(path: Path) -> Curve:
+    with path.open(newline="") as file:
+        rows = list(csv.reader(file))
+    header = rows[0] if rows else []
+    if len(header) < 3 or header[0] != "step" or "mean" not in header:
+        raise UsageError(f"{path} is not a learning-curve CSV (its header should be step,seed_<s>...,mean,...)")
+    names = header[1:header.index("mean")]
+    if header[header.index("mean") + 1:] != [f"seconds_{name}" for name in names]:
+        raise UsageError(f"{path}: the columns after `mean` should be seconds_<curve> for each curve")
+
+    def value(text: str) -> float | None:
+        return float(text) if text else None
+
+    body = rows[1:]
+    column = {name: index for index, name in enumerate(header)}
+    return Curve([int(row[0]) for row in body],
+                 {name: [value(row[column[name]]) for row in body] for name in names},
+                 {name: [value(row[column[f"seconds_{name}"]]) for row in body] for name in names},
+                 [value(row[column["mean"]]) for row in body])
+
+
+# ## The plots
+
+
+def curve_arrays(curve: Curve) -> tuple[list[float], list[float], list[float]]:
+    """Mean, minimum and maximum over the curves at each step (NaN where the mean is empty)."""
+    mean, low, high = [], [], []
+    for i, value in enumerate(curve.mean):
+        present = [scores[i] for scores in curve.scores.values() if scores[i] is not None]
+        defined = value is not None and present
+        mean.append(value if defined else math.nan)
+        low.append(min(present) if defined else math.nan)
+        high.append(max(present) if defined else math.nan)
+    return mean, low, high
+
+
+def describe_curves(names: list[str]) -> str:
+    """`seeds 1, 2`, or `16 agents of seed 1`."""
+    seeds = sorted({int(name.split("_")[1]) for name in names})
+    listed = ", ".join(map(str, seeds))
+    plural = "s" if len(seeds) > 1 else ""
+    if any("_agent_" in name for name in names):
+        return f"{len(names)} agents of seed{plural} {listed}"
+    return f"seed{plural} {listed}"
+
+
+def title_of(task: Task, curve: Curve) -> str:
+    stopped = (f"stopped at {format_steps(task.budget)}" if task.budget < task.schedule else "run to its end")
+    return (f"{task.script} on {task.env} ({task.name})\n"
+            f"{format_steps(task.schedule)}-step schedule, {stopped}; {describe_curves(list(curve.scores))}")
+
+
+def draw_curve(axes, x: list[float], curve: Curve) -> None:
+    mean, low, high = curve_arrays(curve)
+    count = len(curve.scores)
+    kind = "agents" if any("_agent_" in name for name in curve.scores) else "seeds"
+    if count > 1:
+        axes.fill_between(x, low, high, alpha=0.25, linewidth=0, label=f"min to max over the {kind}")
+    label = f"mean over {count} {kind}" if count > 1 else describe_curves(list(curve.scores))
+    axes.plot(x, mean, linewidth=2, label=label)
+    if all(math.isnan(value) for value in mean):
+        axes.text(0.5, 0.5, "no point yet", transform=axes.transAxes, ha="center", va="center", color="grey")
+
+
+def y_label(task: Task, window: int) -> str:
+    if task.unit == "updates":
+        return f"{task.score} (mean of the last {window} updates' episode means)"
+    return f"{task.score} (mean of the last {window} {task.unit})"
+
+
+def plot_steps(curve: Curve, task: Task, window: int, path: Path) -> None:
+    """The score against steps, with the task's anchors."""
+    figure, axes = plt.subplots(figsize=(8, 5))
+    draw_curve(axes, curve.steps, curve)
+    for anchor in task.anchors:
+        if anchor.level:
+            axes.axhline(anchor.points[0][1], color="black", linestyle="--", linewidth=1, label=anchor.source)
+            continue
+        shown = [(step, score) for step, score in anchor.points if step <= task.budget]
+        if shown:
+            axes.plot(*zip(*shown), "o--", color="black", linewidth=1, label=anchor.source)
+    axes.set_xlim(0, task.budget * 1.02)
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: axis_steps(value)))
+    axes.set_xlabel("steps")
+    finish(figure, axes, title_of(task, curve), y_label(task, window), path)
+
+
+def axis_steps(value: float) -> str:
+    """A tick of the steps axis: `0`, `500k`, `1.5M`."""
+    if value >= 1_000_000:
+        return f"{value / 1_000_000:g}M"
+    return f"{value / 1_000:g}k" if value >= 1_000 else f"{value:g}"
+
+
+def plot_time(curve: Curve, task: Task, window: int, path: Path) -> None:
+    """The same curve against training time, each point at the mean time the runs took to reach its step."""
+    times = [sum(values) / len(values) if all(value is not None for value in values) else math.nan
+             for values in zip(*curve.seconds.values())] if curve.seconds else [math.nan] * len(curve.steps)
+    longest = max((value for value in times if not math.isnan(value)), default=0.0)
+    unit, scale = ("hours", 3600) if longest > 7200 else ("minutes", 60) if longest > 120 else ("seconds", 1)
+    figure, axes = plt.subplots(figsize=(8, 5))
+    draw_curve(axes, [value / scale for value in times], curve)
+    axes.set_xlim(left=0)
+    axes.set_xlabel(f"training time ({unit}; sittings laid end to end)")
+    finish(figure, axes, title_of(task, curve), y_label(task, window), path)
+
+
+def finish(figure, axes, title: str, y_label: str, path: Path) -> None:
+    axes.set_title(title, fontsize=10)
+    axes.set_ylabel(y_label)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8, loc="best")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+# ## The command line
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a mistake is one line on stderr and exit status 2, without the usage block."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=PROG, description=__doc__.strip().splitlines()[0],
+                           epilog="Anything after `--` is passed on to the script. See the module docstring.")
+    flag = parser.add_argument
+    flag("task", nargs="?", help="a task (see --list); or leave it out and give --script, --env, --schedule")
+    flag("--list", action="store_true", help="print the tasks, their settings and anchors, and exit")
+    flag("--script", help="a task of your own: the script to run (ppo_atari.py, vpg_continuous.py, ppo_jax.py)")
+    flag("--env", help="a task of your own: the environment, as the script's --env takes it")
+    flag("--schedule", type=parse_steps, help="the --total-timesteps of the full run, which the annealing follows")
+    flag("--name", help="a task of your own: its name, for its runs and files (default: <script>-<env>)")
+    flag("--budget", type=parse_steps, help="stop each run at this step (default: the task's; at most the schedule)")
+    flag("--seeds", type=int, nargs="+", help="the seeds to run, one process each (default: the task's)")
+    flag("--window", type=int, default=100, help="scores averaged at each point of the curve (default: 100)")
+    flag("--points", type=int, default=100, help="points of the curve, evenly spaced up to the budget (default: 100)")
+    flag("--runs", type=Path, default=ROOT / "runs" / "curves", help="where the runs go (default: runs/curves)")
+    flag("--results", type=Path, default=ROOT / "benchmarks" / "results",
+         help="where the CSV and the plots go (default: benchmarks/results)")
+    flag("--plot-only", action="store_true", help="redraw from the runs (without runs, from the CSV); train nothing")
+    return parser
+
+
+def resolve_task(args: argparse.Namespace, extra: list[str]) -> Task:
+    """The task asked for: a preset, or one of the user's own; with the budget, seeds and flags given."""
+    own = [flag for flag, value in [("--script", args.script), ("--env", args.env), ("--name", args.name)] if value]
+    if args.task is not None:
+        if args.task not in TASKS:
+            close = difflib.get_close_matches(args.task, TASKS, n=2)
+            hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+            raise UsageError(f"unknown task {args.task!r}{hint}; the tasks are {', '.join(TASKS)}")
+        if own:
+            raise UsageError(f"a task name ({args.task!r}) and {' '.join(own)} cannot be used together: "
+                             "those flags describe a task of your own")
+        task = TASKS[args.task]
+    else:
+        missing = [flag for flag, value in [("--script", args.script), ("--env", args.env),
+                                            ("--schedule", args.schedule)] if value is None]
+        if missing:
+            raise UsageError(f"name a task (see --list) or give {', '.join(missing)}")
+        if not (ROOT / args.script).is_file():
+            raise UsageError(f"no script {args.script!r} in {ROOT}")
+        name = args.name or f"{Path(args.script).stem}-{args.env.replace('/', '-')}"
+        task = Task(name, args.script, args.env, schedule=args.schedule, budget=args.budget or args.schedule,
+                    seeds=(1,), unit=UNITS.get(Path(args.script).name, "logged scores"))
+    schedule = args.schedule or task.schedule
+    budget = args.budget or min(task.budget, schedule)
+    seeds = tuple(args.seeds) if args.seeds else task.seeds
+    task = replace(task, schedule=schedule, budget=budget, seeds=seeds, flags=task.flags + tuple(extra))
+    if schedule <= 0 or budget <= 0:
+        raise UsageError(f"the schedule and the budget must be positive, not {schedule:,} and {budget:,}")
+    if budget > schedule:
+        raise UsageError(f"--budget {budget:,} is past the schedule of {schedule:,} steps; "
+                         "raise --schedule (the annealing then stretches over it) or lower the budget")
+    if len(set(seeds)) != len(seeds) or any(seed < 0 for seed in seeds):
+        raise UsageError(f"--seeds must be distinct and not negative, not {' '.join(map(str, seeds))}")
+    if args.window < 1 or args.points < 1:
+        raise UsageError(f"--window and --points must be positive, not {args.window} and {args.points}")
+    return task
+
+
+def list_tasks() -> None:
+    for task in TASKS.values():
+        flags = f" {' '.join(task.flags)}" if task.flags else ""
+        print(f"{task.name}: {task.script} --env {task.env}{flags}; schedule {format_steps(task.schedule)}, "
+              f"budget {format_steps(task.budget)}, seeds {' '.join(map(str, task.seeds))}")
+        for anchor in task.anchors:
+            points = ", ".join(f"{format_steps(step)}: {score:g}" for step, score in anchor.points)
+            print(f"    anchor: {anchor.source} [{points}]")
+
+
+def report(task: Task, curve: Curve) -> None:
+    """The last point of the curve, beside the anchors' points up to the budget."""
+    last = next((i for i in reversed(range(len(curve.steps))) if curve.mean[i] is not None), None)
+    if last is None:
+        print(f"{task.name}: no point of the curve yet")
+        return
+    scores = ", ".join(f"{name.removeprefix('seed_')}: {values[last]:.1f}"
+                       for name, values in curve.scores.items() if values[last] is not None)
+    print(f"{task.name} at step {curve.steps[last]:,}: mean {curve.mean[last]:.1f} ({scores})")
+    for anchor in task.anchors:
+        points = [f"{score:g} at {format_steps(step)}" for step, score in anchor.points if step <= task.budget]
+        print(f"    {anchor.source}" + (": " + ", ".join(points) if points and not anchor.level else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    own, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    args = build_parser().parse_args(own)
+    if args.list:
+        list_tasks()
+        return 0
+    try:
+        task = resolve_task(args, extra)
+        runs, results = args.runs.resolve(), args.results.resolve()
+        if not args.plot_only:
+            for seed in task.seeds:
+                train_seed(task, seed, runs)
+        records = records_of(task, runs, task.seeds)
+        csv_path = results / f"{task.name}.csv"
+        if records:
+            curve = make_curve(records, task.budget, args.points, args.window)
+            results.mkdir(parents=True, exist_ok=True)
+            write_csv(curve, csv_path)
+        elif csv_path.exists():
+            print(f"no runs of {task.name} in {runs}; drawing {csv_path}", file=sys.stderr)
+            curve = read_csv(csv_path)
+            if args.budget is None and curve.steps:
+                task = replace(task, budget=curve.steps[-1])
+        else:
+            raise UsageError(f"nothing to draw: no runs of {task.name} in {runs} and no {csv_path}")
+        plots = [results / f"{task.name}.png", results / f"{task.name}_time.png"]
+        plot_steps(curve, task, args.window, plots[0])
+        plot_time(curve, task, args.window, plots[1])
+        report(task, curve)
+        print("wrote " + ", ".join(map(str, ([csv_path] if records else []) + plots)))
+        return 0
+    except UsageError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    except RunError as error:
+        print(f"{PROG}: {error}", file=sys.stderr)
+        return 1
+    except Interrupted as error:
+        print(f"{PROG}: interrupted ({error}); the same command resumes the runs", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted between two sittings; the same command resumes the runs", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
