@@ -69,7 +69,7 @@ def run_rank(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(100 + rank)  # different initialisations: the broadcast must make them equal
     envs = DriftingTask(2, seed=rank)
-    trainer = vpg.Trainer(vpg.Config(**CONFIG), envs, torch.device("cpu"), ranks=vpg.Ranks(size=2, rank=rank))
+    trainer = vpg.DataParallelTrainer(vpg.Config(**CONFIG), envs, torch.device("cpu"), vpg.Ranks(size=2, rank=rank))
     initial = {name: {k: v.clone() for k, v in network.state_dict().items()}
                for name, network in [("policy", trainer.policy), ("value", trainer.value)]}
     rollouts, stats = [], []
@@ -180,8 +180,8 @@ def run_failing_rank(rank: int, port: int, out: str, dies_in: str) -> None:
     """Rank 1 dies after one update, in the next rollout or the next update; rank 0 goes on and
     writes down how it ended, then leaves at once, the moment at which an abort would come."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    trainer = vpg.Trainer(vpg.Config(**CONFIG), DriftingTask(2, seed=rank), torch.device("cpu"),
-                          ranks=vpg.Ranks(size=2, rank=rank))
+    trainer = vpg.DataParallelTrainer(vpg.Config(**CONFIG), DriftingTask(2, seed=rank), torch.device("cpu"),
+                                      vpg.Ranks(size=2, rank=rank))
     trainer.update_policy(trainer.collect_rollout())
     if rank == 1:
         if dies_in == "update":
