@@ -634,14 +634,10 @@ def normalize_advantages(advantages: torch.Tensor) -> torch.Tensor:
 # starts from.
 
 
-class LossTerms(NamedTuple):
-    """What the loss returns: the total to minimise, then its terms. Every field but `loss` is logged
-    as `losses/<name>`, so a term added here is logged with no other edit."""
-
-    loss: torch.Tensor
-    policy_loss: torch.Tensor
-    value_loss: torch.Tensor
-    entropy: torch.Tensor
+# What a loss returns: the loss to minimise under `"loss"`, then each of its terms by name. Every
+# entry but `"loss"` is logged as `losses/<name>`, so a new term is one more entry of the result and
+# needs no other edit.
+LossTerms = dict[str, torch.Tensor]
 
 
 def vpg_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, values: torch.Tensor,
@@ -700,7 +696,7 @@ def vpg_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: t
     value_loss = (values - returns).pow(2).mean()
     entropy = entropy.mean()
     loss = policy_loss + config.vf_coef * value_loss - config.ent_coef * entropy
-    return LossTerms(loss, policy_loss, value_loss, entropy)
+    return {"loss": loss, "policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy}
 
 
 def linear_schedule(initial: float, update: int, num_updates: int) -> float:
@@ -890,7 +886,7 @@ class Trainer:
         mean, std = self.policy(obs)
         log_probs = gaussian_log_prob(mean, std, actions)
         terms = vpg_loss(log_probs, old_log_probs, advantages, self.value(obs), returns, gaussian_entropy(std), config)
-        self.gradient_step(terms.loss, list(self.policy.parameters()) + list(self.value.parameters()),
+        self.gradient_step(terms["loss"], list(self.policy.parameters()) + list(self.value.parameters()),
                            "the policy-gradient step")
         with torch.no_grad():
             # How far the step moved the policy on this batch: $\mathrm{KL}(\pi_\text{old} \| \pi_\theta)$
@@ -909,7 +905,7 @@ class Trainer:
         self.update += 1
         # What the update measured: every term of the loss (whatever fields its result has), how far
         # the step moved the policy, and how much of the returns' variance the values explained.
-        measured = {name: value.item() for name, value in {**terms._asdict(), "approx_kl": approx_kl}.items()}
+        measured = {name: value.item() for name, value in {**terms, "approx_kl": approx_kl}.items()}
         return {**measured, "explained_variance": explained_variance(old_values, returns),
                 "learning_rate": learning_rate, "value_learning_rate": value_learning_rate}
 

@@ -58,7 +58,7 @@ def test_the_loss_ascends_the_policy_gradient_of_a_known_objective():
     log_probs = vpg.gaussian_log_prob(mean, std, actions)
     terms = vpg.vpg_loss(log_probs, log_probs.detach(), advantages, torch.zeros(n), torch.zeros(n),
                          vpg.gaussian_entropy(std), vpg.Config(vf_coef=0.5, ent_coef=0.0))
-    terms.loss.backward()
+    terms["loss"].backward()
     # Tolerances of about two standard errors of the estimates (measured over seeds: 0.01 and 0.025).
     assert -mu.grad.item() == pytest.approx(-2 * (1.0 - 3.0), rel=0.01)
     assert -sigma.grad.item() == pytest.approx(-2 * 0.5, rel=0.05)
@@ -72,11 +72,11 @@ def test_loss_terms():
     entropy = torch.tensor([1.0, 2.0, 3.0])
     terms = vpg.vpg_loss(log_probs, log_probs.detach(), advantages, values, returns, entropy,
                          vpg.Config(vf_coef=0.5, ent_coef=0.1))
-    assert terms.policy_loss.item() == pytest.approx(-(-1.0 * 1 + -2.0 * -1 + -0.5 * 2) / 3)
-    assert terms.value_loss.item() == pytest.approx((1 + 0 + 4) / 3)
-    assert terms.entropy.item() == pytest.approx(2.0)
-    assert terms.loss.item() == pytest.approx(terms.policy_loss.item() + 0.5 * (5 / 3) - 0.1 * 2.0)
-    terms.loss.backward()
+    assert terms["policy_loss"].item() == pytest.approx(-(-1.0 * 1 + -2.0 * -1 + -0.5 * 2) / 3)
+    assert terms["value_loss"].item() == pytest.approx((1 + 0 + 4) / 3)
+    assert terms["entropy"].item() == pytest.approx(2.0)
+    assert terms["loss"].item() == pytest.approx(terms["policy_loss"].item() + 0.5 * (5 / 3) - 0.1 * 2.0)
+    terms["loss"].backward()
     # d/d log pi_i of -(1/N) sum log pi A is -A_i / N: likelier where the advantage is positive.
     torch.testing.assert_close(log_probs.grad, -advantages / 3)
     torch.testing.assert_close(values.grad, 0.5 * 2 * (values.detach() - returns) / 3)
