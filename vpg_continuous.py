@@ -144,9 +144,9 @@ class Config:
     max_episode_steps: int | None = None
     """Cut each episode after this many steps, a truncation (default: the task's own limit, 1,000 for MuJoCo)."""
     total_timesteps: int = 1_000_000
-    """Environment steps to train for, summed over all envs (of all ranks, under torchrun)."""
+    """Environment steps to train for, summed over every env of the run."""
     num_envs: int = 8
-    """Environments played at once (by each rank, under torchrun)."""
+    """Environments played at once by each learning process."""
     num_steps: int = 32
     """Steps each env plays per update; a batch is `num_envs * num_steps` transitions."""
     num_workers: int = 0
@@ -184,7 +184,7 @@ class Config:
     run_dir: str | None = None
     """Where TensorBoard events and checkpoints go (default: runs/<env>__<seed>__<time>)."""
     checkpoint_every: int = 100
-    """Write checkpoint.pt every this many updates (and always at the end and on Ctrl-C)."""
+    """Write checkpoint.pt every this many updates, and when the run ends or is interrupted."""
     resume: str | None = None
     """Continue training from this checkpoint with its settings; flags given override them (a larger
     `--total-timesteps` extends the run, and the annealing stretches over the new length)."""
@@ -617,7 +617,6 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.
     return advantages, advantages + values
 
 
-
 def normalize_advantages(advantages: torch.Tensor) -> torch.Tensor:
     r"""The advantages of a batch, standardised: $\hat A_i \leftarrow (\hat A_i - \mu) / (\sigma + 10^{-8})$.
 
@@ -912,11 +911,11 @@ class Trainer:
     # ### The loop of training
     #
     # Sample a rollout, update on it (the advantages are computed there), report, and again, until
-    # the budget of steps is spent. What a real run does after each update (logs, checkpoints,
-    # stopping when asked) is Part 3's `after_update`; a loop of a student's own can be as short as
-    # `Trainer(config, envs, device).train(print)`.
+    # the budget of steps is spent. What a real run adds after each update, its logs and
+    # checkpoints, comes in through `after_update` from Part 3; a student's own run can be as short
+    # as `Trainer(config, envs, device).train(print)`.
 
-    def train(self, after_update: typing.Callable[[dict[str, float]], None] = lambda stats: None) -> None:
+    def train(self, after_update: typing.Callable[[dict], None] = lambda stats: None) -> None:
         """Update until `total_timesteps` env steps are played, handing each update's statistics to `after_update`."""
         while self.update < self.num_updates:
             stats = self.update_policy(self.collect_rollout())
@@ -1333,7 +1332,6 @@ def choose_device(requested: str, local_rank: int = 0) -> torch.device:
     return device
 
 
-
 def apply_hardware_choices(device: torch.device) -> None:
     """One thread for the networks on a CPU, for the whole process: they are too small to share out.
 
@@ -1388,7 +1386,6 @@ def restore_networks(networks: dict[str, nn.Module], checkpoint: dict, path: str
             first = str(error).strip().splitlines()
             raise ConfigError(f"checkpoint {path} holds a different {name} network: "
                               f"{' '.join(first[1:2] or first)}") from None
-
 
 
 def checkpoint_state(trainer: Trainer, env_id: str, ranks: Ranks | None = None) -> dict:
@@ -1466,7 +1463,6 @@ def hyperparameter_table(config: Config, env_id: str, ranks: int = 1) -> str:
 
 def default_run_dir(config: Config, env_id: str) -> Path:
     return Path("runs") / f"{gym.spec(env_id).name}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
-
 
 
 def time_calls(owner, name: str, timings: dict[str, float], key: str) -> None:
@@ -1556,7 +1552,6 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-
 class Stopped(Exception):
     """Ends the loop of training at a safe point after a `StopRequest`; `signal` is the signal's number."""
 
@@ -1619,7 +1614,6 @@ def train(config: Config, env_id: str, spaces: EnvSpaces, checkpoint: dict | Non
             ranks.close()
 
 
-
 def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Workers, device: torch.device,
                ranks: Ranks, run_dir: Path, num_workers: int) -> int:
     """The run of `train`, once the envs and the device are ready."""
@@ -1627,7 +1621,7 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
 
     apply_hardware_choices(device)
     # With several ranks a rollout always finishes, and the ranks agree after each update on
-    # whether any of them was asked to stop. (Under torchrun a terminal's Ctrl-C reaches each rank twice.)
+    # whether any of them was asked to stop; a terminal's Ctrl-C reaches each of them twice.
     stop = StopRequest(announce=ranks.is_main, same_within=1.0 if ranks.size > 1 else 0.0)
     timings = {"env": 0.0, "sampling": 0.0, "update": 0.0}
     time_calls(envs, "step", timings, "env")
@@ -1662,6 +1656,7 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
         """Log the update, stop if asked, and write a checkpoint every `checkpoint_every` updates."""
         finished_episodes = [episode for episodes in ranks.gather(trainer.finished_episodes) for episode in episodes]
         if ranks.is_main:
+            # The rollout's time outside the envs' steps is the networks' (with the copies around them).
             spent = {phase: seconds - before[phase] for phase, seconds in timings.items()}
             seconds = {"env": spent["env"], "inference": spent["sampling"] - spent["env"], "update": spent["update"]}
             log_update(writer, trainer.global_step, stats, finished_episodes, progress, seconds)
@@ -1836,7 +1831,6 @@ def render_frame(task: Task, env_id: str) -> np.ndarray:
     return cv2.cvtColor(np.ascontiguousarray(frame), cv2.COLOR_RGB2BGR)
 
 
-
 # ### main
 #
 # Everything a user can get wrong is a `ConfigError`, reported in one line with exit status 2.
@@ -1914,8 +1908,6 @@ def main(argv: list[str] | None = None) -> int:
 # every rank after the current update, with a checkpoint written. A rank that fails breaks the
 # connections of the next collective operation, and the others stop with a one-line `RankFailure`
 # rather than wait for it. (NCCL does not notice; torchrun ends the others when it sees one fail.)
-
-
 
 
 class RankFailure(RuntimeError):
@@ -2086,8 +2078,6 @@ class SharedRunningMeanStd(RunningMeanStd):
         super().load_state_dict(state)
         self.agreed.load_state_dict(state)
         self.fresh = RunningMeanStd(np.shape(self.mean))
-
-
 
 
 class DataParallelTrainer(Trainer):
