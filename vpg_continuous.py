@@ -4,16 +4,17 @@ r"""
 This page trains a robot to run, hop or balance with the simplest policy-gradient method done
 right: vanilla policy gradient (VPG) with a learned value function as its baseline and generalized
 advantage estimation. It is written to be read top to bottom, and everything it needs is in this
-one file: the processes that step many copies of the task at once, the running normalisation of
+one file. It shows the algorithm first, for one process: the running normalisation of
 observations and rewards, the Gaussian policy and the value network, GAE, the policy gradient
-itself, and the trainer with its logs and checkpoints.
+itself, and the loop of training. The engineering follows: the processes that step many copies of
+the task at once, the command line, checkpoints and logs, and data-parallel training.
 
 ```
 pip install -r requirements.txt
 python vpg_continuous.py                          # HalfCheetah-v5; TensorBoard events in runs/
 python vpg_continuous.py --env Hopper-v5 --seed 2
 python vpg_continuous.py --eval runs/<run>/checkpoint.pt --capture-video
-torchrun --nproc_per_node 4 vpg_continuous.py      # data-parallel: see "Past one device"
+torchrun --nproc_per_node 4 vpg_continuous.py      # data-parallel: see Part 4
 ```
 
 Any gymnasium task whose actions are a vector of reals works: the MuJoCo v5 tasks (HalfCheetah,
@@ -33,18 +34,10 @@ neither normalisation, reaches about 630 after 3M steps (read off its benchmark 
 HalfCheetah-v2). On an otherwise idle 2-core x86-64 CPU a run steps about 3,400 times a second
 (over its first 200k steps), so 1M steps take about 5 minutes; two thirds of that is the update
 (see `choose_device` on why the CPU runs it). `benchmarks/vpg_halfcheetah.py` runs these
-benchmarks; run four at a time on those 2 cores, each took 19 minutes. What mattered, on seed 1
-unless said (one seed is a rough guide, as the three above show):
-
-* **Small batches.** One step per batch means the batch size decides how many times the policy
-  moves. After 300k steps, batches of 2,048 reached 368 (learning rate $10^{-3}$) or 621 ($3
-  \cdot 10^{-3}$), batches of 512 reached 1,875 and batches of 256, the default, 2,950. At 1M:
-  3,161 with 512, 3,954 with 256. A larger learning rate is no substitute for more steps.
-* **Reward scaling.** Without it the run reached 1,133 instead of 3,954; without observation
-  normalisation, 3,014.
-* **A learned log-std, the same in every state**, rather than a head that computes $\sigma(s)$:
-  level in return (2,695 against 2,390 over seeds 1 to 3 here, 1,383 against 1,453 over two
-  seeds of Hopper-v5) but far steadier; `GaussianPolicy` has the numbers.
+benchmarks; run four at a time on those 2 cores, each took 19 minutes. What mattered most, on
+seed 1 (one seed is a rough guide, as the three above show), were small batches, since one step
+per batch means the batch size decides how many times the policy moves, and then reward scaling:
+the table under `Config` has the numbers beside each default and where it comes from.
 
 Papers: REINFORCE (Williams, 1992, Machine Learning 8); the policy gradient theorem (Sutton et al.,
 2000, NIPS 12); GAE (Schulman et al., 2016, arXiv:1506.02438); time limits as truncation (Pardo et
@@ -54,15 +47,19 @@ al., 2018, arXiv:1712.00378); the on-policy design choices studied by Andrychowi
 
 The page in order:
 
-1. Configuration: every hyperparameter, with the command line derived from it.
-2. The environment: `Task`, one gymnasium env as the learner sees it.
-3. The workers: `Workers`, many envs in other processes, observations in shared memory.
-4. Normalisation: `RunningMeanStd`, `ObservationNormalizer`, `RewardScaler`.
-5. The model: `GaussianPolicy` and `ValueFunction`.
-6. The math: `compute_gae`, then the policy gradient in `vpg_loss`.
-7. The trainer: sampling, updating, checkpoints, logging.
-8. Past one device (optional): data-parallel training under torchrun.
-9. Evaluation and `main()`.
+1. **The algorithm**, for one process: the hyperparameters (`Config`, with where each default
+   comes from); the environment (`Task`); what the learner sees (`RunningMeanStd`,
+   `ObservationNormalizer`, `RewardScaler`); the model (`GaussianPolicy`, `ValueFunction`, built by
+   `make_networks`); the advantages (`compute_gae`, `normalize_advantages`); the policy gradient
+   (`vpg_loss`); the rollout, the update and the loop of training (`Trainer`).
+2. **Sampling at speed**: `Workers`, many envs in other processes, observations in shared memory.
+3. **Running it for real**: the command line and its validation, the hardware choices,
+   checkpoints, logging and progress, signals (`StopRequest`), the run (`train`), evaluation and
+   video, and `main()`.
+4. **More than one device** (optional): data-parallel training under torchrun
+   (`DataParallelTrainer`, `Ranks`).
+
+Licence: MIT (see LICENSE in the repository this file comes from); copy it freely, keeping this line.
 """
 
 from __future__ import annotations
@@ -99,31 +96,65 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-# ## Configuration
+
+# ## Part 1: The algorithm
+#
+# Everything VPG does, in the order it runs, for one process: the settings, the task as the learner
+# sees it, the networks, the advantages and the loss, then sampling, updating and the loop that
+# repeats them. A reader who stops at the end of this part has seen all of VPG. The later parts
+# make it fast, usable and wider by extending what is here, never by reaching into it.
+
+
+# ### The hyperparameters
 #
 # One dataclass holds every setting of a run. The string under each field is its documentation and
-# also its `--help` text: the command line is derived from this class, with `num_envs` spelled
-# `--num-envs`, and booleans as `--flag` / `--no-flag`.
+# also its `--help` text: the command line (Part 3) is derived from this class, with `num_envs`
+# spelled `--num-envs`, and booleans as `--flag` / `--no-flag`.
 
 
 @dataclass
 class Config:
+    r"""Every setting of a run, and where each default of the algorithm comes from.
+
+    | setting | ours | Spinning Up's VPG | PPO paper, MuJoCo (Table 3) | CleanRL `ppo_continuous_action` | why ours |
+    |-|-|-|-|-|-|
+    | `num_envs` x `num_steps` | 8 x 32 = 256 | 4,000 | 2,048 (horizon $T$) | 1 x 2,048 | One policy step per batch, so the batch size decides how often the policy moves. HalfCheetah-v5, seed 1, after 300k steps: batches of 2,048 reached 368, of 512 1,875, of 256 2,950; after 1M, 512 reached 3,161 and 256 3,954 |
+    | `learning_rate` (policy) | $10^{-3}$, annealed linearly: $1/N$ of it at the last of $N$ updates | $3 \cdot 10^{-4}$, constant | $3 \cdot 10^{-4}$ | $3 \cdot 10^{-4}$, annealed the same way | With batches of 2,048, $3 \cdot 10^{-3}$ reached 621 at 300k where $10^{-3}$ reached 368: a larger step helps a little, more steps (smaller batches) far more |
+    | `value_learning_rate` | $10^{-3}$, annealed the same way | $10^{-3}$, constant | one Adam for both | one Adam for both | Spinning Up's; a network of its own gets a rate of its own |
+    | `gamma` | 0.99 | 0.99 | 0.99 | 0.99 | Everyone's |
+    | `gae_lambda` | 0.97 | 0.97 | 0.95 | 0.95 | Spinning Up's VPG: longer, less biased estimates for a policy that takes one step per batch |
+    | `value_epochs` x `num_minibatches` | 10 x 4 (40 steps on 64 transitions) | 80 steps on the whole batch | 10 epochs, minibatches of 64, shared with the policy | 10 x 32, shared with the policy | Ours, not tuned: enough for the value function to catch up with the policy before the next batch's advantages rest on it |
+    | `vf_coef` | 0.5, on the mean squared error | none (an optimiser of its own) | irrelevant (no shared parameters) | 0.5, on half the squared error | CleanRL's number. Under Adam a constant factor on a loss hardly changes its step, but it weighs the value's gradient in the norm that `max_grad_norm` clips |
+    | `ent_coef` | 0 | none | 0 (no entropy bonus) | 0 | Everyone's for these tasks |
+    | `max_grad_norm` | 0.5 | none | none | 0.5 | CleanRL's |
+    | `normalize_observations` | on, clipped to $\pm 10$ | off | not said | on, clipped to $\pm 10$ | Without it, HalfCheetah-v5 (seed 1) reached 3,014 instead of 3,954 |
+    | `normalize_rewards` | on (divided by the return's running spread) | off | not said | on, clipped to $\pm 10$ | Without it, 1,133 instead of 3,954: it mattered more than the observations (see `RewardScaler`) |
+    | `state_dependent_std` | off: one learned $\log \sigma$, starting at $\sigma \approx 0.69$ | off, $\log \sigma = -0.5$ at the start | off | off, $\log \sigma = 0$ at the start | Level with a $\sigma(s)$ head in return, and far steadier (see `GaussianPolicy`) |
+    | `total_timesteps` | 1M | 200k (50 epochs of 4,000) | 1M | 1M | The usual budget for these tasks |
+
+    Not settings but fixed in the code, each explained where it is: two separate networks of two
+    128-unit tanh layers (Spinning Up, the paper and CleanRL use 64 units), orthogonal
+    initialisation, and Adam's $\epsilon = 10^{-5}$ (CleanRL's; Spinning Up keeps torch's $10^{-8}$).
+    The settings of one invocation rather than of the agent (workers, device, run directory,
+    checkpoints, evaluation) have no row.
+    """
+
     env: str = "HalfCheetah-v5"
     """Gymnasium task with continuous (Box) actions: a full id (`Hopper-v5`) or a name alone (`Hopper`: its newest version)."""
     max_episode_steps: int | None = None
     """Cut each episode after this many steps, a truncation (default: the task's own limit, 1,000 for MuJoCo)."""
     total_timesteps: int = 1_000_000
-    """Environment steps to train for, summed over all envs (of all ranks, under torchrun)."""
+    """Environment steps to train for, summed over every env of the run."""
     num_envs: int = 8
-    """Environments played at once (by each rank, under torchrun)."""
+    """Environments played at once by each learning process."""
     num_steps: int = 32
     """Steps each env plays per update; a batch is `num_envs * num_steps` transitions."""
     num_workers: int = 0
     """Processes that step the envs (0: one per CPU core, at most one per env)."""
     learning_rate: float = 1e-3
-    """Adam's learning rate for the policy at the start; annealed linearly to 0 over the run."""
+    """Adam's learning rate for the policy at the start, annealed linearly: 1/N of it at the last of N updates."""
     value_learning_rate: float = 1e-3
-    """Adam's learning rate for the value function at the start; annealed linearly to 0 over the run."""
+    """Adam's learning rate for the value function at the start, annealed like `learning_rate`."""
     gamma: float = 0.99
     """Discount factor."""
     gae_lambda: float = 0.97
@@ -153,7 +184,7 @@ class Config:
     run_dir: str | None = None
     """Where TensorBoard events and checkpoints go (default: runs/<env>__<seed>__<time>)."""
     checkpoint_every: int = 100
-    """Write checkpoint.pt every this many updates (and always at the end and on Ctrl-C)."""
+    """Write checkpoint.pt every this many updates, and when the run ends or is interrupted."""
     resume: str | None = None
     """Continue training from this checkpoint with its settings; flags given override them (a larger
     `--total-timesteps` extends the run, and the annealing stretches over the new length)."""
@@ -175,144 +206,18 @@ class Config:
         return self.batch_size // self.num_minibatches
 
 
-
-# The settings of one invocation rather than of the agent: a resumed run takes its hyperparameters
-# from the checkpoint, but these from the command line (or their defaults).
-RUN_OPTIONS = {"num_workers", "device", "start_method", "run_dir", "resume", "eval", "eval_episodes",
-               "eval_deterministic", "capture_video", "checkpoint_every"}
-
-
 class ConfigError(Exception):
     """A mistake in what the user asked for: reported in one line, exit status 2."""
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """The string literal under each field of a dataclass, read from its source."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    body = ast.parse(source).body[0].body
-    docs = {}
-    for node, following in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
-                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
-            docs[node.target.id] = " ".join(following.value.value.split())
-    return docs
-
-
-def parse_int(text: str) -> int:
-    """An integer, also written as `1_000_000` or `1e6`."""
-    try:
-        return int(text)
-    except ValueError:
-        value = float(text)
-        if not value.is_integer():
-            raise ValueError(text) from None
-        return int(value)
-
-
-parse_int.__name__ = "integer"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a mistake is one line on stderr and exit status 2, without the usage block."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def flag(name: str) -> str:
-    """The command-line flag of a `Config` field: `num_envs` is `--num-envs`."""
-    return "--" + name.replace("_", "-")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The command line, one flag per field of `Config`.
-
-    Flags the user did not type are absent from the parsed namespace (`argparse.SUPPRESS`), so a
-    resumed run can tell an explicit `--total-timesteps` from the default.
-    """
-    parser = OneLineParser(prog="vpg_continuous.py",
-                           description="Vanilla policy gradient for continuous control, annotated. "
-                                       "See the module docstring.",
-                           argument_default=argparse.SUPPRESS)
-    docs = field_docs(Config)
-    hints = typing.get_type_hints(Config)
-    for field in dataclasses.fields(Config):
-        name = flag(field.name)
-        kind = hints[field.name]
-        help_text = f"{docs.get(field.name, '')} (default: {field.default})".replace("%", "%%")
-        if kind is bool:
-            parser.add_argument(name, action=argparse.BooleanOptionalAction, help=help_text)
-            continue
-        if typing.get_origin(kind) is Literal:
-            parser.add_argument(name, choices=typing.get_args(kind), help=help_text)
-            continue
-        if type(None) in typing.get_args(kind):
-            kind = next(t for t in typing.get_args(kind) if t is not type(None))
-        parser.add_argument(name, type=parse_int if kind is int else kind, metavar=field.name.upper(),
-                            help=help_text)
-    return parser
-
-
-def check_config(config: Config) -> None:
-    """Refuse settings that cannot work, before any process starts."""
-    for name in ["total_timesteps", "num_envs", "num_steps", "value_epochs", "num_minibatches",
-                 "checkpoint_every", "eval_episodes"]:
-        if getattr(config, name) <= 0:
-            raise ConfigError(f"{flag(name)} must be positive, not {getattr(config, name)}")
-    for name in ["learning_rate", "value_learning_rate", "max_grad_norm"]:
-        if not getattr(config, name) > 0:  # also refuses nan
-            raise ConfigError(f"{flag(name)} must be positive, not {getattr(config, name)}")
-    for name in ["gamma", "gae_lambda"]:
-        if not 0 <= getattr(config, name) <= 1:
-            raise ConfigError(f"{flag(name)} must be in [0, 1], not {getattr(config, name)}")
-    for name in ["ent_coef", "vf_coef", "num_workers"]:
-        if not getattr(config, name) >= 0:
-            raise ConfigError(f"{flag(name)} must not be negative, not {getattr(config, name)}")
-    if config.max_episode_steps is not None and config.max_episode_steps <= 0:
-        raise ConfigError(f"--max-episode-steps must be positive, not {config.max_episode_steps}")
-    if config.batch_size % config.num_minibatches:
-        raise ConfigError(f"the batch of {config.num_envs} envs x {config.num_steps} steps = {config.batch_size} "
-                          f"does not split into {config.num_minibatches} minibatches")
-    if config.batch_size < 2:
-        raise ConfigError("a batch needs at least 2 transitions (--num-envs x --num-steps) to normalise advantages")
-    if config.num_workers > config.num_envs:
-        raise ConfigError(f"--num-workers {config.num_workers} is more than --num-envs {config.num_envs}")
-    if config.eval is not None and config.resume is not None:
-        raise ConfigError("--eval and --resume cannot be used together")
-    if config.capture_video and config.eval is None:
-        raise ConfigError("--capture-video records evaluation episodes; use it with --eval CHECKPOINT")
-
-
-# ## The environment
+# ### The environment
 #
 # Any gymnasium task whose actions are a box of real numbers will do: a torque per joint for the
 # MuJoCo robots, one torque for the pendulum. Gymnasium's own `TimeLimit` wrapper (which `gym.make`
 # adds) ends each episode after the task's step limit, 1,000 steps for MuJoCo and 200 for
 # Pendulum-v1, and reports it as a *truncation*, apart from a *termination* (the hopper fell). The
-# two are treated differently in the advantages below.
-
-
-def resolve_env_id(name: str) -> str:
-    """The gymnasium id that `name` stands for, or a `ConfigError` suggesting close names.
-
-    A full id stands for itself; a name without its version (`HalfCheetah`, any case) for its
-    newest version (`HalfCheetah-v5`).
-    """
-    if name in gym.registry:
-        return name
-    ids = {env_id.lower(): env_id for env_id in gym.registry}
-    newest = {}  # in order of version, so that the newest of each name is written last
-    for env_id, spec in sorted(gym.registry.items(), key=lambda item: item[1].version or 0):
-        newest[((f"{spec.namespace}/" if spec.namespace else "") + spec.name).lower()] = env_id
-    found = ids.get(name.lower()) or newest.get(name.lower())
-    if found is not None:
-        return found
-    close = difflib.get_close_matches(name, sorted(gym.registry), n=3, cutoff=0.6)
-    hint = f"; did you mean {', '.join(close)}?" if close else "; ids look like HalfCheetah-v5 or Pendulum-v1"
-    raise ConfigError(f"unknown environment {name!r}{hint}")
+# two are treated differently in the advantages below. `make_env` is the one place an env is made,
+# and `describe_env` reads from it the sizes the learner needs, so no shape is written out anywhere.
 
 
 class EnvSpaces(NamedTuple):
@@ -352,16 +257,6 @@ def describe_env(env_id: str) -> EnvSpaces:
     if not isinstance(observations, gym.spaces.Box) or len(observations.shape) != 1:
         raise ConfigError(f"{env_id}'s observations are {observations}; vpg_continuous.py needs a vector (a 1-D Box)")
     return EnvSpaces(observations.shape[0], actions.low.astype(np.float64), actions.high.astype(np.float64))
-
-
-def env_seeds(seed: int, count: int, first_update: int = 0) -> np.ndarray:
-    """`count` distinct, independent seeds for the envs of a run seeded with `seed`.
-
-    A run resumed at a later update draws new ones, so it does not replay the episodes the first
-    part of the run began with.
-    """
-    entropy = seed if first_update == 0 else [seed, first_update]
-    return np.random.SeedSequence(entropy).generate_state(count)
 
 
 class Transition(NamedTuple):
@@ -420,7 +315,616 @@ class Task:
         self.env.close()
 
 
-# ## The workers
+# ### What the learner sees: normalised observations and rewards
+#
+# MuJoCo's observations mix joint angles (a fraction of a radian) with joint velocities (tens of
+# radians a second), and they drift as the policy improves and the robot moves faster. A network
+# learns poorly from inputs whose scales differ by orders of magnitude, so each observation is
+# standardised with the running mean and variance of all observations seen so far. Rewards are
+# divided by a running estimate of the scale of the return, so that the value function regresses to
+# targets of about unit size whatever the task's reward scale. Both statistics belong to the policy
+# as much as its weights do: they are saved in the checkpoint and used, frozen, at evaluation.
+
+
+class RunningMeanStd:
+    r"""The mean and variance of every array seen so far, kept without keeping the arrays.
+
+    Two sets of $n_A$ and $n_B$ samples with means $\mu_A, \mu_B$ and variances $\sigma^2_A,
+    \sigma^2_B$ combine exactly (Chan, Golub and LeVeque, 1979, the parallel form of Welford's
+    algorithm):
+
+    $$\delta = \mu_B - \mu_A, \qquad n = n_A + n_B, \qquad \mu = \mu_A + \delta \frac{n_B}{n},$$
+
+    $$\sigma^2 = \frac{n_A \sigma^2_A + n_B \sigma^2_B + \delta^2 n_A n_B / n}{n}.$$
+
+    `merge` applies it to the statistics of another stream (kept by another process, say); `update`
+    merges in the statistics of one batch, which at each step holds an observation from every env
+    of every worker. The variance is that of the whole population seen (numpy's `var` with
+    `ddof=0`), computed in float64.
+    """
+
+    def __init__(self, shape: tuple[int, ...] = ()):
+        self.mean = np.zeros(shape, np.float64)
+        self.var = np.ones(shape, np.float64)
+        self.count = 0
+
+    @classmethod
+    def of(cls, batch: np.ndarray) -> RunningMeanStd:
+        """The statistics of `batch` alone, over its first axis."""
+        batch = np.asarray(batch, np.float64)
+        stats = cls(batch.shape[1:])
+        stats.mean, stats.var, stats.count = np.asarray(batch.mean(0)), np.asarray(batch.var(0)), batch.shape[0]
+        return stats
+
+    def update(self, batch: np.ndarray) -> None:
+        self.merge(RunningMeanStd.of(batch))
+
+    def merge(self, other: RunningMeanStd) -> None:
+        if other.count == 0:
+            return
+        total = self.count + other.count
+        delta = other.mean - self.mean
+        squares = self.var * self.count + other.var * other.count + delta ** 2 * self.count * other.count / total
+        self.mean = self.mean + delta * (other.count / total)
+        self.var = squares / total
+        self.count = total
+
+    def state_dict(self) -> dict:
+        return {"mean": torch.tensor(self.mean), "var": torch.tensor(self.var), "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean = state["mean"].numpy().astype(np.float64)
+        self.var = state["var"].numpy().astype(np.float64)
+        self.count = int(state["count"])
+
+
+class ObservationNormalizer:
+    r"""Observations standardised by running statistics: $\mathrm{clip}((o - \mu) / \sqrt{\sigma^2 + 10^{-8}}, -10, 10)$.
+
+    The clip keeps one freak observation (a robot flung at great speed) from producing an input far
+    outside anything the network was trained on. With `enabled=False` observations pass unchanged.
+    """
+
+    def __init__(self, obs_dim: int, enabled: bool = True, clip: float = 10.0):
+        self.stats = RunningMeanStd((obs_dim,))
+        self.enabled = enabled
+        self.clip = clip
+
+    def update(self, obs: np.ndarray) -> None:
+        if self.enabled:
+            self.stats.update(obs)
+
+    def __call__(self, obs: np.ndarray) -> np.ndarray:
+        """`obs` normalised with the statistics as they are now, as float32."""
+        if not self.enabled:
+            return np.asarray(obs, np.float32)
+        normalized = (obs - self.stats.mean) / np.sqrt(self.stats.var + 1e-8)
+        return np.clip(normalized, -self.clip, self.clip).astype(np.float32)
+
+    def state_dict(self) -> dict:
+        return self.stats.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stats.load_state_dict(state)
+
+
+class RewardScaler:
+    r"""Rewards divided by the running standard deviation of the discounted return.
+
+    Each env keeps $G_t = \gamma G_{t-1} + r_t$, restarted at every episode's end, and the reward is
+    divided by $\sqrt{\mathrm{Var}[G] + 10^{-8}}$ over all $G_t$ seen so far. Dividing (not
+    centring) keeps the sign of every reward, so the task stays the same task; only the value
+    function's targets change scale. The episodic returns we log are the env's own, unscaled.
+
+    On HalfCheetah it mattered more than observation normalisation (the table under `Config`): a
+    cheetah that runs earns several points a step, so discounted returns reach the hundreds, and a
+    value function that starts near 0 and whose weights Adam moves about $10^{-3}$ a step lags far
+    behind such targets, leaving the advantages to its errors.
+    """
+
+    def __init__(self, num_envs: int, gamma: float):
+        self.gamma = gamma
+        self.returns = np.zeros(num_envs, np.float64)
+        self.stats = RunningMeanStd()
+
+    def __call__(self, rewards: np.ndarray, done: np.ndarray) -> np.ndarray:
+        self.returns = self.returns * self.gamma + rewards
+        self.stats.update(self.returns)
+        self.returns[done] = 0.0
+        return (rewards / np.sqrt(self.stats.var + 1e-8)).astype(np.float32)
+
+
+# ### The model
+#
+# Two separate networks, as in Spinning Up's VPG (Achiam, 2018): a Gaussian policy
+# $\pi_\theta(a|s)$ and a value function $V_\phi(s)$, each a multilayer perceptron of two 128-unit
+# tanh layers. Keeping them apart means the value loss cannot disturb the features of the policy,
+# and each gets a learning rate of its own. Tanh rather than ReLU is the choice Andrychowicz et al.
+# (2021) found to work best for on-policy methods on these tasks.
+
+
+def layer_init(layer: nn.Linear, gain: float = math.sqrt(2)) -> nn.Linear:
+    r"""Orthogonal weights scaled by `gain`, zero biases.
+
+    Orthogonal matrices keep the norm of what passes through them, so activations neither explode
+    nor vanish with depth. Hidden layers use $\sqrt 2$ as the PPO reference implementation does
+    for its tanh layers; the mean head starts at 0.01, so the first policy's mean action is near 0
+    whatever the state; the value head starts at 1.
+    """
+    nn.init.orthogonal_(layer.weight, gain)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+def mlp_torso(input_dim: int, hidden: int = 128) -> nn.Sequential:
+    """Two tanh layers of `hidden` units: the body of both networks."""
+    return nn.Sequential(layer_init(nn.Linear(input_dim, hidden)), nn.Tanh(),
+                         layer_init(nn.Linear(hidden, hidden)), nn.Tanh())
+
+
+# The standard deviation of the first policy: softplus(0) + 0.001, the scale head's output while
+# its weights are near 0, and the starting value of the learned log-std, so both kinds start alike.
+INITIAL_STD = math.log(2.0) + 1e-3
+
+
+class GaussianPolicy(nn.Module):
+    r"""A diagonal Gaussian over actions: $\pi_\theta(a|s) = \mathcal N(a;\, \mu_\theta(s),\, \mathrm{diag}\, \sigma_\theta(s)^2)$.
+
+    The mean is a linear head on the torso. The standard deviation comes one of two ways:
+
+    * `state_dependent_std=True`: a second head, $\sigma = \mathrm{softplus}(x) + 10^{-3}$, in the
+      style of DeepMind Acme's Gaussian heads. Softplus keeps it positive and smooth; the floor
+      keeps the log-probability finite.
+    * `state_dependent_std=False` (the default): one learned $\log \sigma$ per action dimension,
+      the same in every state, as in Spinning Up, OpenAI baselines and CleanRL.
+
+    **Which one, and why.** The returns do not pick a winner. After 1M steps (the mean return of the
+    last 20 episodes), HalfCheetah-v5 reached 3,954, 2,352 and 1,777 on seeds 1 to 3 with the
+    learned log-std and 2,651, 1,553 and 2,966 with the head; Hopper-v5 reached 1,158 and 1,608 on
+    seeds 1 and 2 with the learned log-std and 1,867 and 1,038 with the head. Seeds differ more
+    than the two designs do. What differs is how steadily the policy learns. With the head, single
+    updates moved the policy by up to 0.16 to 0.35 in KL divergence on HalfCheetah (0.05 on Hopper)
+    against at most 0.011 (0.019) with the learned log-std, and on HalfCheetah the entropy fell from
+    6.3 nats at the start to 0.7, 4.0 and -1.3 by the end, where the learned log-std kept 5.1 to
+    5.4. With batches of 512 (HalfCheetah, seed 1) that collapse cost the head the run: 1,143
+    against 3,161. So the default is the learned log-std, the steadier of two equals;
+    `--state-dependent-std` switches.
+
+    Why a head collapses: the gradient of $\log \pi$ with respect to $\log \sigma_j$ is
+    $z_j^2 - 1$, with $z_j = (a_j - \mu_j) / \sigma_j$, so wherever samples near the mean happened
+    to do better than average the policy gradient shrinks $\sigma$. Adam moves each parameter by
+    about the learning rate per step: a free $\log \sigma$ changes by at most about $10^{-3}$
+    per update, while the head's output, a sum over 128 weights, can move tens of times further,
+    state by state, long before the mean has found a good gait.
+    """
+
+    def __init__(self, obs_dim: int, action_dim: int, state_dependent_std: bool = False):
+        super().__init__()
+        self.torso = mlp_torso(obs_dim)
+        self.mean = layer_init(nn.Linear(128, action_dim), gain=0.01)
+        if state_dependent_std:
+            self.scale = layer_init(nn.Linear(128, action_dim), gain=0.01)
+        else:
+            self.log_std = nn.Parameter(torch.full((action_dim,), math.log(INITIAL_STD)))
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean and standard deviation, each `[batch, action_dim]`, for observations `[batch, obs_dim]`."""
+        hidden = self.torso(obs)
+        mean = self.mean(hidden)
+        if hasattr(self, "scale"):
+            std = nn.functional.softplus(self.scale(hidden)) + 1e-3
+        else:
+            std = self.log_std.exp().expand_as(mean)
+        return mean, std
+
+
+class ValueFunction(nn.Module):
+    r"""$V_\phi(s)$: the expected discounted return from $s$ under the current policy."""
+
+    def __init__(self, obs_dim: int):
+        super().__init__()
+        self.torso = mlp_torso(obs_dim)
+        self.head = layer_init(nn.Linear(128, 1), gain=1.0)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.head(self.torso(obs)).squeeze(-1)
+
+
+def make_networks(spaces: EnvSpaces, config: Config) -> tuple[GaussianPolicy, ValueFunction]:
+    """The policy and the value function for a task: the one place where the networks are built."""
+    return GaussianPolicy(spaces.obs_dim, spaces.action_dim, config.state_dependent_std), ValueFunction(spaces.obs_dim)
+
+
+def sample_actions(mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    r"""$a = \mu + \sigma \odot \varepsilon$, $\varepsilon \sim \mathcal N(0, I)$: unbounded, never clipped here."""
+    return mean + std * torch.randn_like(mean)
+
+
+def gaussian_log_prob(mean: torch.Tensor, std: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+    r"""$\log \pi(a|s)$ of a diagonal Gaussian, `[batch]`.
+
+    The action dimensions are independent given the state, so the density is a product over them
+    and its logarithm a sum:
+
+    $$\log \pi(a|s) = \sum_{j=1}^{d} \left[ -\frac{(a_j - \mu_j)^2}{2 \sigma_j^2} - \log \sigma_j
+      - \tfrac12 \log 2\pi \right].$$
+
+    Summed, not averaged: the mean over dimensions is the log-density of no distribution. It
+    divides the policy gradient by $d$ against the value and entropy terms, and makes the
+    reported KL divergence and entropy wrong by the same factor. It is a common slip when the
+    per-dimension log-probabilities of `torch.distributions.Normal` are reduced with `.mean()`.
+    """
+    z = (actions - mean) / std
+    return (-0.5 * z.pow(2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
+
+
+def gaussian_entropy(std: torch.Tensor) -> torch.Tensor:
+    r"""$H[\pi(\cdot|s)] = \sum_j \left[\log \sigma_j + \tfrac12 (1 + \log 2\pi)\right]$, `[batch]`."""
+    return (std.log() + 0.5 * (1.0 + math.log(2 * math.pi))).sum(-1)
+
+
+# ### Generalized advantage estimation
+#
+# The policy gradient needs to know how much better an action was than the policy's average at
+# that state: the advantage $A_t$. GAE (Schulman et al., 2016) blends estimates of it from one step
+# to the whole rollout; $\lambda = 0.97$ leans towards the long ones, as VPG references do. The
+# estimates are then standardised over the batch.
+
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor,
+                terminated: torch.Tensor, truncated: torch.Tensor, gamma: float,
+                gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Advantages and returns for a rollout; every argument is `[num_steps, num_envs]`.
+
+    With the TD error of step $t$
+
+    $$\delta_t = r_t + \gamma (1 - \mathrm{terminated}_t) V(s_{t+1}) - V(s_t),$$
+
+    the advantage is the exponentially weighted sum of the TD errors that follow, cut where the
+    episode ends:
+
+    $$\hat A_t = \delta_t + \gamma \lambda (1 - \mathrm{done}_t) \hat A_{t+1},$$
+
+    where $\mathrm{done}_t = \mathrm{terminated}_t \lor \mathrm{truncated}_t$.
+
+    The returns that the value function regresses to are $\hat A_t + V(s_t)$, the
+    $\lambda$-return.
+
+    `next_values[t]` is $V(s_{t+1})$, the value of the observation that step $t$ led to. Where the
+    episode went on, that is `values[t + 1]` (or the value of the observation after the rollout).
+    Where step $t$ ended an episode, the observation the workers returned is already the first of
+    the next one, so the caller supplies the value of the episode's *final* observation instead.
+
+    **Why termination and truncation stay apart.** A termination (the hopper fell, the pendulum
+    dropped) means there is no future: the value after it is 0 and is not bootstrapped. A
+    truncation (the 1,000-step limit of MuJoCo tasks) means only that we stopped watching: the
+    cheetah would have gone on running, so $\delta_t$ bootstraps from $V$ of the final
+    observation, while the sum over later TD errors is still cut, since those belong to the next
+    episode. Folding the two into one `done` flag teaches the value function that the world ends
+    at step 1,000, a fact the agent cannot see in its observation (Pardo et al., 2018). On
+    HalfCheetah, which never terminates, *every* episode ends by truncation, so the difference
+    touches the last steps of every episode.
+    """
+    num_steps = rewards.shape[0]
+    advantages = torch.zeros_like(rewards)
+    not_terminated = 1.0 - terminated.float()
+    not_done = 1.0 - torch.maximum(terminated.float(), truncated.float())
+    deltas = rewards + gamma * not_terminated * next_values - values
+    advantage = torch.zeros_like(rewards[0])
+    for t in reversed(range(num_steps)):
+        advantage = deltas[t] + gamma * gae_lambda * not_done[t] * advantage
+        advantages[t] = advantage
+    return advantages, advantages + values
+
+
+def normalize_advantages(advantages: torch.Tensor) -> torch.Tensor:
+    r"""The advantages of a batch, standardised: $\hat A_i \leftarrow (\hat A_i - \mu) / (\sigma + 10^{-8})$.
+
+    $\mu$ is their mean over the batch and $\sigma$ their (unbiased) standard deviation. The size of
+    the policy's step then no longer depends on the scale of the rewards, and about half the actions
+    are pushed up, half down. The $10^{-8}$ keeps a batch of equal advantages finite.
+    """
+    return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+
+
+# ### The policy gradient
+#
+# This is the heart of the page: the one equation that every policy-gradient method, PPO included,
+# starts from.
+
+
+# What a loss returns: the loss to minimise under `"loss"`, then each of its terms by name. Every
+# entry but `"loss"` is logged as `losses/<name>`, so a new term is one more entry of the result and
+# needs no other edit.
+LossTerms = dict[str, torch.Tensor]
+
+
+def vpg_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, values: torch.Tensor,
+             returns: torch.Tensor, entropy: torch.Tensor, config: Config) -> LossTerms:
+    r"""The loss whose gradient is the (negated) policy gradient, plus the value and entropy terms.
+
+    **The policy gradient theorem.** We want the parameters $\theta$ that maximise the expected
+    return $J(\theta) = \mathbb E_{\tau \sim \pi_\theta}[R(\tau)]$ of trajectories
+    $\tau = (s_0, a_0, s_1, a_1, \dots)$. The probability of a trajectory is a product of the
+    policy's choices and the environment's transitions,
+    $p_\theta(\tau) = p(s_0) \prod_t \pi_\theta(a_t|s_t)\, p(s_{t+1}|s_t, a_t)$, and only the
+    policy's factors depend on $\theta$. With $\nabla p = p \nabla \log p$ (the log-derivative
+    trick) the gradient becomes an expectation we can sample, with no model of the environment:
+
+    $$\nabla_\theta J(\theta) = \mathbb E_{\tau \sim \pi_\theta}\left[\sum_t
+      \nabla_\theta \log \pi_\theta(a_t|s_t)\; R(\tau)\right].$$
+
+    It holds as well with the advantage of each action in place of the whole return (Williams,
+    1992; Sutton et al., 2000),
+
+    $$\nabla_\theta J(\theta) = \mathbb E_{\tau \sim \pi_\theta}\left[\sum_t
+      \nabla_\theta \log \pi_\theta(a_t|s_t)\; A^{\pi_\theta}(s_t, a_t)\right],$$
+
+    because an action cannot change the rewards that came before it, and because any baseline
+    $b(s_t)$ may be subtracted from what follows it, since its term has expectation zero:
+
+    $$\mathbb E_{a \sim \pi}[\nabla_\theta \log \pi_\theta(a|s)\, b(s)]
+      = b(s)\, \nabla_\theta \int \pi_\theta(a|s)\, da = b(s)\, \nabla_\theta 1 = 0.$$
+
+    Taking the baseline $V(s_t)$ leaves the advantage, whose variance is far smaller than the
+    return's. It reads: make actions that did better than usual more likely, and those that did
+    worse less likely, in proportion to how much better or worse.
+
+    **In code.** With $N$ samples and the GAE estimate $\hat A$ in place of $A$ (a constant here,
+    computed before the step), the surrogate
+
+    $$L^\pi(\theta) = -\frac1N \sum_i \log \pi_\theta(a_i|s_i)\, \hat A_i$$
+
+    has the negated policy gradient as its gradient, so minimising it with Adam ascends $J$. Like
+    nearly every implementation we drop the $\gamma^t$ that the discounted theorem puts on each
+    term (Thomas, 2014), and the advantages are normalised over the batch. The estimate is only
+    right at the $\theta$ that collected the samples: after one step the batch is stale, which is
+    why vanilla policy gradient takes **one** step per batch. (PPO's ratio and clip are what make
+    more steps on one batch safe.)
+
+    The value term is the mean squared error to the $\lambda$-returns, and the entropy bonus
+    $H$ (weight 0 by default) can slow the collapse of $\sigma$:
+    $L = L^\pi + c_V\, \mathbb E[(V_\phi(s) - \hat R)^2] - c_H\, \mathbb E[H]$, with $c_V$ and
+    $c_H$ the `vf_coef` and `ent_coef` of `config`.
+
+    `old_log_probs` are those of the policy that sampled the batch. VPG's one step starts from that
+    policy, so its loss has no use for them; a variant that keeps the new policy near the old one
+    (a KL penalty, say) needs them, and a setting of its own, read from `config`.
+    """
+    policy_loss = -(log_probs * advantages).mean()
+    value_loss = (values - returns).pow(2).mean()
+    entropy = entropy.mean()
+    loss = policy_loss + config.vf_coef * value_loss - config.ent_coef * entropy
+    return {"loss": loss, "policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy}
+
+
+def linear_schedule(initial: float, update: int, num_updates: int) -> float:
+    """`initial` annealed linearly: the full value at update 0, `initial / num_updates` at the last."""
+    return initial * (1.0 - update / num_updates)
+
+
+def explained_variance(predictions: torch.Tensor, targets: torch.Tensor) -> float:
+    r"""$1 - \mathrm{Var}[y - \hat y] / \mathrm{Var}[y]$: 1 for a perfect value function, 0 for a constant one."""
+    variance = targets.var()
+    return float("nan") if variance == 0 else float(1.0 - (targets - predictions).var() / variance)
+
+
+# ### The rollout and the update
+#
+# Each update has two phases. **Sampling**: every env plays `num_steps` steps with the current
+# policy while we store the normalised observations, the actions sampled, their log-probabilities,
+# the values, the (scaled) rewards and the episode ends. **Updating**: GAE turns the rollout into
+# advantages and returns; the policy takes one gradient step on the whole batch; then the value
+# function is fitted to the returns with `value_epochs` passes of minibatches, so that the next
+# batch's advantages rest on a value function that has caught up with the policy. Batches are
+# small (8 envs x 32 steps) because the policy moves once per batch: the table under `Config` has
+# the measurements.
+#
+# The trainer steps many envs at once. What it needs of them is little: `num_envs`, `spaces` (an
+# `EnvSpaces`), `reset()`, which returns the first observations, and `step(actions)`, which returns
+# a `VecStep`. Part 2's `Workers` provide them at speed; the tests use small scripted ones.
+
+
+class VecStep(NamedTuple):
+    """One step of all envs at once. Where an episode ended the env was reset in the same step."""
+
+    obs: np.ndarray
+    """`[num_envs, obs_dim]` float64: the observation after the step (the first of a new episode where one ended)."""
+    rewards: np.ndarray
+    """`[num_envs]` float64: the env's own rewards."""
+    terminated: np.ndarray
+    """`[num_envs]` bool."""
+    truncated: np.ndarray
+    """`[num_envs]` bool."""
+    final_obs: np.ndarray
+    """`[num_envs, obs_dim]` float64: the last observation of each episode truncated in this step."""
+    finished_episodes: list[tuple[int, float, int]]
+    """`(env index, return, length)` of each episode that ended in this step."""
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient became NaN or infinite."""
+
+
+class Rollout(NamedTuple):
+    obs: torch.Tensor             # [num_steps, num_envs, obs_dim], normalised as the policy saw them
+    actions: torch.Tensor         # [num_steps, num_envs, action_dim], the samples themselves (unclipped)
+    log_probs: torch.Tensor       # [num_steps, num_envs], of the samples
+    values: torch.Tensor
+    next_values: torch.Tensor
+    rewards: torch.Tensor
+    terminated: torch.Tensor
+    truncated: torch.Tensor
+
+
+class Trainer:
+    """VPG: the networks, the optimizer, the running statistics, the rollout storage and the update.
+
+    `envs` are the envs it samples from (`num_envs`, `spaces`, `reset()` and `step()`, as the
+    comment above says); `device` is where the networks run.
+    """
+
+    def __init__(self, config: Config, envs, device: torch.device):
+        self.config = config
+        self.envs = envs
+        self.device = device
+        self.num_updates = config.total_timesteps // self.steps_per_update
+        spaces = envs.spaces
+        self.action_low, self.action_high = spaces.action_low, spaces.action_high
+        self.policy, self.value = (network.to(device) for network in make_networks(spaces, config))
+        # One Adam over both networks, a parameter group (and learning rate) each. A step on the
+        # value loss alone leaves the policy's parameters without gradients, and Adam skips them.
+        # eps 1e-5 rather than 1e-8, as in the PPO reference implementation.
+        self.optimizer = torch.optim.Adam([{"params": self.policy.parameters(), "lr": config.learning_rate},
+                                           {"params": self.value.parameters(), "lr": config.value_learning_rate}],
+                                          eps=1e-5)
+        self.obs_normalizer = ObservationNormalizer(spaces.obs_dim, enabled=config.normalize_observations)
+        self.reward_scaler = RewardScaler(envs.num_envs, config.gamma) if config.normalize_rewards else None
+        self.update = 0
+        self.global_step = 0
+        shape = (config.num_steps, envs.num_envs)
+        self.obs = torch.zeros(shape + (spaces.obs_dim,), device=device)
+        self.actions = torch.zeros(shape + (spaces.action_dim,), device=device)
+        self.log_probs, self.values, self.next_values, self.rewards, self.terminated, self.truncated = (
+            torch.zeros(shape, device=device) for _ in range(6))
+        self.next_obs = torch.zeros((envs.num_envs, spaces.obs_dim), device=device)
+        self.needs_reset = True
+        self.finished_episodes: list[tuple[int, float, int]] = []
+
+    @property
+    def steps_per_update(self) -> int:
+        """The env steps that one update consumes: its batch."""
+        return self.config.batch_size
+
+    def _observe(self, raw_obs: np.ndarray) -> None:
+        """Fold the new observations into the running statistics, then normalise them for the policy."""
+        self.obs_normalizer.update(raw_obs)
+        self.next_obs.copy_(torch.from_numpy(self.obs_normalizer(raw_obs)))
+
+    @torch.inference_mode()
+    def collect_rollout(self) -> Rollout:
+        """Play `num_steps` steps in every env with the current policy."""
+        if self.needs_reset:
+            self._observe(self.envs.reset())
+            self.needs_reset = False
+        self.finished_episodes = []
+        truncations = []
+        for t in range(self.config.num_steps):
+            self.obs[t] = self.next_obs
+            mean, std = self.policy(self.next_obs)
+            actions = sample_actions(mean, std)
+            self.actions[t], self.log_probs[t] = actions, gaussian_log_prob(mean, std, actions)
+            self.values[t] = self.value(self.next_obs)
+            # The env gets the action clipped to its bounds; we keep the sample itself, since its
+            # log-probability is the one the gradient needs. Seen this way the clip is part of the
+            # environment and the estimate stays unbiased; storing the clipped action instead would
+            # take the gradient of the log-density of a point the policy did not sample.
+            # (Fujita and Maeda, 2018, "Clipped action policy gradient", lower its variance further.)
+            env_actions = np.clip(actions.cpu().numpy().astype(np.float64), self.action_low, self.action_high)
+            step = self.envs.step(env_actions)
+            rewards = step.rewards
+            if self.reward_scaler is not None:
+                rewards = self.reward_scaler(rewards, step.terminated | step.truncated)
+            self.rewards[t] = torch.from_numpy(np.asarray(rewards, np.float32)).to(self.device)
+            self.terminated[t] = torch.from_numpy(step.terminated).to(self.device)
+            self.truncated[t] = torch.from_numpy(step.truncated).to(self.device)
+            for env in np.flatnonzero(step.truncated):
+                # Normalised with today's statistics, like the observation it stands in for.
+                truncations.append((t, int(env), torch.from_numpy(self.obs_normalizer(step.final_obs[env]))))
+            self.finished_episodes += step.finished_episodes
+            self._observe(step.obs)
+        self.global_step += self.steps_per_update
+
+        # $V(s_{t+1})$ for every step: the next stored value, the value after the rollout for the
+        # last step, and the value of the final observation where an episode was truncated.
+        self.next_values[:-1] = self.values[1:]
+        self.next_values[-1] = self.value(self.next_obs)
+        if truncations:
+            final_values = self.value(torch.stack([obs for _, _, obs in truncations]).to(self.device))
+            for (t, env, _), value in zip(truncations, final_values):
+                self.next_values[t, env] = value
+        return Rollout(self.obs, self.actions, self.log_probs, self.values, self.next_values,
+                       self.rewards, self.terminated, self.truncated)
+
+    def normalize_advantages(self, advantages: torch.Tensor) -> torch.Tensor:
+        """The batch's advantages, standardised by `normalize_advantages` (Part 4 widens the batch)."""
+        return normalize_advantages(advantages)
+
+    def compute_gradients(self, loss: torch.Tensor, parameters: list[nn.Parameter]) -> None:
+        """The gradient of `loss` in the `.grad` of each of `parameters`, all that `loss` depends on."""
+        loss.backward()
+
+    def gradient_step(self, loss: torch.Tensor, parameters: list[nn.Parameter], what: str) -> None:
+        """One Adam step on `loss`, its gradient's norm clipped; refuses a NaN or infinite gradient."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.compute_gradients(loss, parameters)
+        grad_norm = nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm)
+        if not torch.isfinite(grad_norm):
+            raise NonFiniteError(f"the loss or its gradient became {grad_norm.item()} at update "
+                                 f"{self.update + 1} ({what}); no step was taken")
+        self.optimizer.step()
+
+    def update_policy(self, rollout: Rollout) -> dict[str, float]:
+        """One VPG update on `rollout`: a policy-gradient step, then the value function's fit."""
+        config = self.config
+        learning_rate = linear_schedule(config.learning_rate, self.update, self.num_updates)
+        value_learning_rate = linear_schedule(config.value_learning_rate, self.update, self.num_updates)
+        self.optimizer.param_groups[0]["lr"] = learning_rate
+        self.optimizer.param_groups[1]["lr"] = value_learning_rate
+
+        with torch.no_grad():
+            advantages, returns = compute_gae(rollout.rewards, rollout.values, rollout.next_values,
+                                              rollout.terminated, rollout.truncated, config.gamma, config.gae_lambda)
+        obs, actions = rollout.obs.flatten(0, 1), rollout.actions.flatten(0, 1)
+        old_log_probs, old_values = rollout.log_probs.flatten(), rollout.values.flatten()
+        advantages, returns = self.normalize_advantages(advantages.flatten()), returns.flatten()
+
+        # The policy-gradient step: one, on the whole batch. The value term of the loss reaches only
+        # the value network's parameters (the networks share none): it is the first step of the
+        # value function's fit, which the minibatch passes below finish.
+        mean, std = self.policy(obs)
+        log_probs = gaussian_log_prob(mean, std, actions)
+        terms = vpg_loss(log_probs, old_log_probs, advantages, self.value(obs), returns, gaussian_entropy(std), config)
+        self.gradient_step(terms["loss"], list(self.policy.parameters()) + list(self.value.parameters()),
+                           "the policy-gradient step")
+        with torch.no_grad():
+            # How far the step moved the policy on this batch: $\mathrm{KL}(\pi_\text{old} \| \pi_\theta)$
+            # estimated with $\mathbb E[(r - 1) - \log r]$, where $r = \pi_\theta / \pi_\text{old}$.
+            log_ratio = gaussian_log_prob(*self.policy(obs), actions) - old_log_probs
+            approx_kl = ((log_ratio.exp() - 1.0) - log_ratio).mean()
+
+        # Fitting the value function: regression to the returns, in shuffled minibatches.
+        value_parameters = list(self.value.parameters())
+        for epoch in range(config.value_epochs):
+            order = torch.randperm(config.batch_size, device=self.device)
+            for start in range(0, config.batch_size, config.minibatch_size):
+                batch = order[start:start + config.minibatch_size]
+                value_loss = (self.value(obs[batch]) - returns[batch]).pow(2).mean()
+                self.gradient_step(config.vf_coef * value_loss, value_parameters, f"value fitting, pass {epoch + 1}")
+        self.update += 1
+        # What the update measured: every term of the loss (whatever fields its result has), how far
+        # the step moved the policy, and how much of the returns' variance the values explained.
+        measured = {name: value.item() for name, value in {**terms, "approx_kl": approx_kl}.items()}
+        return {**measured, "explained_variance": explained_variance(old_values, returns),
+                "learning_rate": learning_rate, "value_learning_rate": value_learning_rate}
+
+    # ### The loop of training
+    #
+    # Sample a rollout, update on it (the advantages are computed there), report, and again, until
+    # the budget of steps is spent. What a real run adds after each update, its logs and
+    # checkpoints, comes in through `after_update` from Part 3; a student's own run can be as short
+    # as `Trainer(config, envs, device).train(print)`.
+
+    def train(self, after_update: typing.Callable[[dict], None] = lambda stats: None) -> None:
+        """Update until `total_timesteps` env steps are played, handing each update's statistics to `after_update`."""
+        while self.update < self.num_updates:
+            stats = self.update_policy(self.collect_rollout())
+            after_update(stats)
+
+
+# ## Part 2: Sampling at speed
+#
+# ### The workers
 #
 # The learner wants a batch of observations from many envs at every step. `Workers` steps the envs
 # in other processes, several per process, and drives them over `Pipe`s. Three choices make it fast
@@ -440,25 +944,18 @@ class Task:
 #   which is the main process's to handle, and exit by themselves if the main process dies.
 
 
+def env_seeds(seed: int, count: int, first_update: int = 0) -> np.ndarray:
+    """`count` distinct, independent seeds for the envs of a run seeded with `seed`.
+
+    A run resumed at a later update draws new ones, so it does not replay the episodes the first
+    part of the run began with.
+    """
+    entropy = seed if first_update == 0 else [seed, first_update]
+    return np.random.SeedSequence(entropy).generate_state(count)
+
+
 class WorkerError(RuntimeError):
     """A worker process failed: the message carries its traceback, or how it died."""
-
-
-class VecStep(NamedTuple):
-    """One step of all envs at once. Arrays are views of shared memory, valid until the next step."""
-
-    obs: np.ndarray
-    """`[num_envs, obs_dim]` float64: the observation after the step (the first of a new episode where one ended)."""
-    rewards: np.ndarray
-    """`[num_envs]` float64: the env's own rewards."""
-    terminated: np.ndarray
-    """`[num_envs]` bool."""
-    truncated: np.ndarray
-    """`[num_envs]` bool."""
-    final_obs: np.ndarray
-    """`[num_envs, obs_dim]` float64: the last observation of each episode truncated in this step."""
-    finished_episodes: list[tuple[int, float, int]]
-    """`(env index, return, length)` of each episode that ended in this step."""
 
 
 def shared_arrays(context, num_envs: int, spaces: EnvSpaces) -> dict[str, tuple]:
@@ -536,7 +1033,8 @@ class Workers:
     """`num_envs` envs stepped by `num_workers` processes; the vector environment of the trainer.
 
     `reset()` starts every env and returns the observations; `step(actions)` plays one step of
-    every env and returns a `VecStep`. Use it as a context manager, or call `close()`.
+    every env and returns a `VecStep`, whose arrays are views of shared memory, valid until the
+    next step. Use it as a context manager, or call `close()`.
     """
 
     def __init__(self, env_id: str, num_envs: int, num_workers: int, seed: int, spaces: EnvSpaces,
@@ -640,405 +1138,174 @@ class Workers:
         self.close()
 
 
-# ## What the learner sees: normalised observations and rewards
+# ## Part 3: Running it for real
 #
-# MuJoCo's observations mix joint angles (a fraction of a radian) with joint velocities (tens of
-# radians a second), and they drift as the policy improves and the robot moves faster. A network
-# learns poorly from inputs whose scales differ by orders of magnitude, so each observation is
-# standardised with the running mean and variance of all observations seen so far. Rewards are
-# divided by a running estimate of the scale of the return, so that the value function regresses to
-# targets of about unit size whatever the task's reward scale. Both statistics belong to the policy
-# as much as its weights do: they are saved in the checkpoint and used, frozen, at evaluation.
+# What turns the algorithm into a program a researcher runs for days: a command line that refuses
+# mistakes in one line, the machine's choices in one place, checkpoints that survive a crash, logs
+# that compare with CleanRL's, Ctrl-C that saves before it stops, and evaluation with videos. Each
+# piece wraps or extends Part 1's `Trainer`; none of it is inside the update.
 
 
-class RunningMeanStd:
-    r"""The mean and variance of every array seen so far, kept without keeping the arrays.
-
-    Two sets of $n_A$ and $n_B$ samples with means $\mu_A, \mu_B$ and variances $\sigma^2_A,
-    \sigma^2_B$ combine exactly (Chan, Golub and LeVeque, 1979, the parallel form of Welford's
-    algorithm):
-
-    $$\delta = \mu_B - \mu_A, \qquad n = n_A + n_B, \qquad \mu = \mu_A + \delta \frac{n_B}{n},$$
-
-    $$\sigma^2 = \frac{n_A \sigma^2_A + n_B \sigma^2_B + \delta^2 n_A n_B / n}{n}.$$
-
-    `merge` applies it to the statistics of another stream (kept by another process, say); `update`
-    merges in the statistics of one batch, which at each step holds an observation from every env
-    of every worker. The variance is that of the whole population seen (numpy's `var` with
-    `ddof=0`), computed in float64.
-    """
-
-    def __init__(self, shape: tuple[int, ...] = ()):
-        self.mean = np.zeros(shape, np.float64)
-        self.var = np.ones(shape, np.float64)
-        self.count = 0
-
-    @classmethod
-    def of(cls, batch: np.ndarray) -> RunningMeanStd:
-        """The statistics of `batch` alone, over its first axis."""
-        batch = np.asarray(batch, np.float64)
-        stats = cls(batch.shape[1:])
-        stats.mean, stats.var, stats.count = np.asarray(batch.mean(0)), np.asarray(batch.var(0)), batch.shape[0]
-        return stats
-
-    def update(self, batch: np.ndarray) -> None:
-        self.merge(RunningMeanStd.of(batch))
-
-    def merge(self, other: RunningMeanStd) -> None:
-        if other.count == 0:
-            return
-        total = self.count + other.count
-        delta = other.mean - self.mean
-        squares = self.var * self.count + other.var * other.count + delta ** 2 * self.count * other.count / total
-        self.mean = self.mean + delta * (other.count / total)
-        self.var = squares / total
-        self.count = total
-
-    def state_dict(self) -> dict:
-        return {"mean": torch.tensor(self.mean), "var": torch.tensor(self.var), "count": self.count}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.mean = state["mean"].numpy().astype(np.float64)
-        self.var = state["var"].numpy().astype(np.float64)
-        self.count = int(state["count"])
-
-
-class ObservationNormalizer:
-    r"""Observations standardised by running statistics: $\mathrm{clip}((o - \mu) / \sqrt{\sigma^2 + 10^{-8}}, -10, 10)$.
-
-    The clip keeps one freak observation (a robot flung at great speed) from producing an input far
-    outside anything the network was trained on. With `enabled=False` observations pass unchanged.
-    """
-
-    def __init__(self, obs_dim: int, enabled: bool = True, clip: float = 10.0):
-        self.stats = RunningMeanStd((obs_dim,))
-        self.enabled = enabled
-        self.clip = clip
-
-    def update(self, obs: np.ndarray) -> None:
-        if self.enabled:
-            self.stats.update(obs)
-
-    def __call__(self, obs: np.ndarray) -> np.ndarray:
-        """`obs` normalised with the statistics as they are now, as float32."""
-        if not self.enabled:
-            return np.asarray(obs, np.float32)
-        normalized = (obs - self.stats.mean) / np.sqrt(self.stats.var + 1e-8)
-        return np.clip(normalized, -self.clip, self.clip).astype(np.float32)
-
-    def state_dict(self) -> dict:
-        return self.stats.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.stats.load_state_dict(state)
-
-
-class RewardScaler:
-    r"""Rewards divided by the running standard deviation of the discounted return.
-
-    Each env keeps $G_t = \gamma G_{t-1} + r_t$, restarted at every episode's end, and the reward is
-    divided by $\sqrt{\mathrm{Var}[G] + 10^{-8}}$ over all $G_t$ seen so far. Dividing (not
-    centring) keeps the sign of every reward, so the task stays the same task; only the value
-    function's targets change scale. The episodic returns we log are the env's own, unscaled.
-
-    On HalfCheetah it mattered more than observation normalisation (module docstring): a cheetah
-    that runs earns several points a step, so discounted returns reach the hundreds, and a value
-    function that starts near 0 and whose weights Adam moves about $10^{-3}$ a step lags far
-    behind such targets, leaving the advantages to its errors.
-    """
-
-    def __init__(self, num_envs: int, gamma: float):
-        self.gamma = gamma
-        self.returns = np.zeros(num_envs, np.float64)
-        self.stats = RunningMeanStd()
-
-    def __call__(self, rewards: np.ndarray, done: np.ndarray) -> np.ndarray:
-        self.returns = self.returns * self.gamma + rewards
-        self.stats.update(self.returns)
-        self.returns[done] = 0.0
-        return (rewards / np.sqrt(self.stats.var + 1e-8)).astype(np.float32)
-
-
-# ## The model
+# ### The command line
 #
-# Two separate networks, as in Spinning Up's VPG (Achiam, 2018): a Gaussian policy
-# $\pi_\theta(a|s)$ and a value function $V_\phi(s)$, each a multilayer perceptron of two 128-unit
-# tanh layers. Keeping them apart means the value loss cannot disturb the features of the policy,
-# and each gets a learning rate of its own. Tanh rather than ReLU is the choice Andrychowicz et al.
-# (2021) found to work best for on-policy methods on these tasks.
+# Derived from `Config`: one flag per field, its help text the field's documentation, and every
+# setting checked before any process starts.
 
 
-def layer_init(layer: nn.Linear, gain: float = math.sqrt(2)) -> nn.Linear:
-    r"""Orthogonal weights scaled by `gain`, zero biases.
+# The settings of one invocation rather than of the agent: a resumed run takes its hyperparameters
+# from the checkpoint, but these from the command line (or their defaults).
+RUN_OPTIONS = {"num_workers", "device", "start_method", "run_dir", "resume", "eval", "eval_episodes",
+               "eval_deterministic", "capture_video", "checkpoint_every"}
 
-    Orthogonal matrices keep the norm of what passes through them, so activations neither explode
-    nor vanish with depth. Hidden layers use $\sqrt 2$ as the PPO reference implementation does
-    for its tanh layers; the mean head starts at 0.01, so the first policy's mean action is near 0
-    whatever the state; the value head starts at 1.
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The string literal under each field of a dataclass, read from its source."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(source).body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def parse_int(text: str) -> int:
+    """An integer, also written as `1_000_000` or `1e6`."""
+    try:
+        return int(text)
+    except ValueError:
+        value = float(text)
+        if not value.is_integer():
+            raise ValueError(text) from None
+        return int(value)
+
+
+parse_int.__name__ = "integer"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a mistake is one line on stderr and exit status 2, without the usage block."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a `Config` field: `num_envs` is `--num-envs`."""
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, one flag per field of `Config`.
+
+    Flags the user did not type are absent from the parsed namespace (`argparse.SUPPRESS`), so a
+    resumed run can tell an explicit `--total-timesteps` from the default.
     """
-    nn.init.orthogonal_(layer.weight, gain)
-    nn.init.zeros_(layer.bias)
-    return layer
+    parser = OneLineParser(prog="vpg_continuous.py",
+                           description="Vanilla policy gradient for continuous control, annotated. "
+                                       "See the module docstring.",
+                           argument_default=argparse.SUPPRESS)
+    docs = field_docs(Config)
+    hints = typing.get_type_hints(Config)
+    for field in dataclasses.fields(Config):
+        name = flag(field.name)
+        kind = hints[field.name]
+        help_text = f"{docs.get(field.name, '')} (default: {field.default})".replace("%", "%%")
+        if kind is bool:
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, help=help_text)
+            continue
+        if typing.get_origin(kind) is Literal:
+            parser.add_argument(name, choices=typing.get_args(kind), help=help_text)
+            continue
+        if type(None) in typing.get_args(kind):
+            kind = next(t for t in typing.get_args(kind) if t is not type(None))
+        parser.add_argument(name, type=parse_int if kind is int else kind, metavar=field.name.upper(),
+                            help=help_text)
+    return parser
 
 
-def mlp_torso(input_dim: int, hidden: int = 128) -> nn.Sequential:
-    """Two tanh layers of `hidden` units: the body of both networks."""
-    return nn.Sequential(layer_init(nn.Linear(input_dim, hidden)), nn.Tanh(),
-                         layer_init(nn.Linear(hidden, hidden)), nn.Tanh())
+def check_config(config: Config) -> None:
+    """Refuse settings that cannot work, before any process starts."""
+    for name in ["total_timesteps", "num_envs", "num_steps", "value_epochs", "num_minibatches",
+                 "checkpoint_every", "eval_episodes"]:
+        if getattr(config, name) <= 0:
+            raise ConfigError(f"{flag(name)} must be positive, not {getattr(config, name)}")
+    for name in ["learning_rate", "value_learning_rate", "max_grad_norm"]:
+        if not getattr(config, name) > 0:  # also refuses nan
+            raise ConfigError(f"{flag(name)} must be positive, not {getattr(config, name)}")
+    for name in ["gamma", "gae_lambda"]:
+        if not 0 <= getattr(config, name) <= 1:
+            raise ConfigError(f"{flag(name)} must be in [0, 1], not {getattr(config, name)}")
+    for name in ["ent_coef", "vf_coef", "num_workers"]:
+        if not getattr(config, name) >= 0:
+            raise ConfigError(f"{flag(name)} must not be negative, not {getattr(config, name)}")
+    if config.max_episode_steps is not None and config.max_episode_steps <= 0:
+        raise ConfigError(f"--max-episode-steps must be positive, not {config.max_episode_steps}")
+    if config.batch_size % config.num_minibatches:
+        raise ConfigError(f"the batch of {config.num_envs} envs x {config.num_steps} steps = {config.batch_size} "
+                          f"does not split into {config.num_minibatches} minibatches")
+    if config.batch_size < 2:
+        raise ConfigError("a batch needs at least 2 transitions (--num-envs x --num-steps) to normalise advantages")
+    if config.num_workers > config.num_envs:
+        raise ConfigError(f"--num-workers {config.num_workers} is more than --num-envs {config.num_envs}")
+    if config.eval is not None and config.resume is not None:
+        raise ConfigError("--eval and --resume cannot be used together")
+    if config.capture_video and config.eval is None:
+        raise ConfigError("--capture-video records evaluation episodes; use it with --eval CHECKPOINT")
 
 
-# The standard deviation of the first policy: softplus(0) + 0.001, the scale head's output while
-# its weights are near 0, and the starting value of the learned log-std, so both kinds start alike.
-INITIAL_STD = math.log(2.0) + 1e-3
+def resolve_env_id(name: str) -> str:
+    """The gymnasium id that `name` stands for, or a `ConfigError` suggesting close names.
 
-
-class GaussianPolicy(nn.Module):
-    r"""A diagonal Gaussian over actions: $\pi_\theta(a|s) = \mathcal N(a;\, \mu_\theta(s),\, \mathrm{diag}\, \sigma_\theta(s)^2)$.
-
-    The mean is a linear head on the torso. The standard deviation comes one of two ways:
-
-    * `state_dependent_std=True`: a second head, $\sigma = \mathrm{softplus}(x) + 10^{-3}$, in the
-      style of DeepMind Acme's Gaussian heads. Softplus keeps it positive and smooth; the floor
-      keeps the log-probability finite.
-    * `state_dependent_std=False` (the default): one learned $\log \sigma$ per action dimension,
-      the same in every state, as in Spinning Up, OpenAI baselines and CleanRL.
-
-    **Which one, and why.** The returns do not pick a winner. After 1M steps (the mean return of the
-    last 20 episodes), HalfCheetah-v5 reached 3,954, 2,352 and 1,777 on seeds 1 to 3 with the
-    learned log-std and 2,651, 1,553 and 2,966 with the head; Hopper-v5 reached 1,158 and 1,608 on
-    seeds 1 and 2 with the learned log-std and 1,867 and 1,038 with the head. Seeds differ more
-    than the two designs do. What differs is how steadily the policy learns. With the head, single
-    updates moved the policy by up to 0.16 to 0.35 in KL divergence on HalfCheetah (0.05 on Hopper)
-    against at most 0.011 (0.019) with the learned log-std, and on HalfCheetah the entropy fell from
-    6.3 nats at the start to 0.7, 4.0 and -1.3 by the end, where the learned log-std kept 5.1 to
-    5.4. With batches of 512 (HalfCheetah, seed 1) that collapse cost the head the run: 1,143
-    against 3,161. So the default is the learned log-std, the steadier of two equals;
-    `--state-dependent-std` switches.
-
-    Why a head collapses: the gradient of $\log \pi$ with respect to $\log \sigma_j$ is
-    $z_j^2 - 1$, with $z_j = (a_j - \mu_j) / \sigma_j$, so wherever samples near the mean happened
-    to do better than average the policy gradient shrinks $\sigma$. Adam moves each parameter by
-    about the learning rate per step: a free $\log \sigma$ changes by at most about $10^{-3}$
-    per update, while the head's output, a sum over 128 weights, can move tens of times further,
-    state by state, long before the mean has found a good gait.
+    A full id stands for itself; a name without its version (`HalfCheetah`, any case) for its
+    newest version (`HalfCheetah-v5`).
     """
-
-    def __init__(self, obs_dim: int, action_dim: int, state_dependent_std: bool = False):
-        super().__init__()
-        self.torso = mlp_torso(obs_dim)
-        self.mean = layer_init(nn.Linear(128, action_dim), gain=0.01)
-        if state_dependent_std:
-            self.scale = layer_init(nn.Linear(128, action_dim), gain=0.01)
-        else:
-            self.log_std = nn.Parameter(torch.full((action_dim,), math.log(INITIAL_STD)))
-
-    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The mean and standard deviation, each `[batch, action_dim]`, for observations `[batch, obs_dim]`."""
-        hidden = self.torso(obs)
-        mean = self.mean(hidden)
-        if hasattr(self, "scale"):
-            std = nn.functional.softplus(self.scale(hidden)) + 1e-3
-        else:
-            std = self.log_std.exp().expand_as(mean)
-        return mean, std
+    if name in gym.registry:
+        return name
+    ids = {env_id.lower(): env_id for env_id in gym.registry}
+    newest = {}  # in order of version, so that the newest of each name is written last
+    for env_id, spec in sorted(gym.registry.items(), key=lambda item: item[1].version or 0):
+        newest[((f"{spec.namespace}/" if spec.namespace else "") + spec.name).lower()] = env_id
+    found = ids.get(name.lower()) or newest.get(name.lower())
+    if found is not None:
+        return found
+    close = difflib.get_close_matches(name, sorted(gym.registry), n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; ids look like HalfCheetah-v5 or Pendulum-v1"
+    raise ConfigError(f"unknown environment {name!r}{hint}")
 
 
-class ValueFunction(nn.Module):
-    r"""$V_\phi(s)$: the expected discounted return from $s$ under the current policy."""
+def parse_config(argv: list[str] | None) -> tuple[Config, dict | None]:
+    """The configuration of this invocation and the checkpoint it names, if any.
 
-    def __init__(self, obs_dim: int):
-        super().__init__()
-        self.torso = mlp_torso(obs_dim)
-        self.head = layer_init(nn.Linear(128, 1), gain=1.0)
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.head(self.torso(obs)).squeeze(-1)
-
-
-def sample_actions(mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    r"""$a = \mu + \sigma \odot \varepsilon$, $\varepsilon \sim \mathcal N(0, I)$: unbounded, never clipped here."""
-    return mean + std * torch.randn_like(mean)
-
-
-def gaussian_log_prob(mean: torch.Tensor, std: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
-    r"""$\log \pi(a|s)$ of a diagonal Gaussian, `[batch]`.
-
-    The action dimensions are independent given the state, so the density is a product over them
-    and its logarithm a sum:
-
-    $$\log \pi(a|s) = \sum_{j=1}^{d} \left[ -\frac{(a_j - \mu_j)^2}{2 \sigma_j^2} - \log \sigma_j
-      - \tfrac12 \log 2\pi \right].$$
-
-    Summed, not averaged: the mean over dimensions is the log-density of no distribution. It
-    divides the policy gradient by $d$ against the value and entropy terms, and makes the
-    reported KL divergence and entropy wrong by the same factor. It is a common slip when the
-    per-dimension log-probabilities of `torch.distributions.Normal` are reduced with `.mean()`.
+    A resumed or evaluated run starts from the checkpoint's hyperparameters; flags given on the
+    command line override them (to extend `--total-timesteps`, say).
     """
-    z = (actions - mean) / std
-    return (-0.5 * z.pow(2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
+    given = vars(build_parser().parse_args(argv))
+    checkpoint = None
+    base = {}
+    path = given.get("resume") or given.get("eval")
+    if path is not None and not (given.get("resume") and given.get("eval")):
+        checkpoint = load_checkpoint(path)
+        fields = {f.name for f in dataclasses.fields(Config)}
+        base = {k: v for k, v in checkpoint["config"].items() if k in fields and k not in RUN_OPTIONS}
+    config = Config(**{**base, **given})
+    check_config(config)
+    if config.resume is not None:
+        saved = checkpoint["config"]
+        if saved["num_envs"] * saved["num_steps"] != config.batch_size:
+            raise ConfigError(f"a resumed run keeps its batch of {saved['num_envs'] * saved['num_steps']} "
+                              f"transitions (--num-envs x --num-steps)")
+    return config, checkpoint
 
 
-def gaussian_entropy(std: torch.Tensor) -> torch.Tensor:
-    r"""$H[\pi(\cdot|s)] = \sum_j \left[\log \sigma_j + \tfrac12 (1 + \log 2\pi)\right]$, `[batch]`."""
-    return (std.log() + 0.5 * (1.0 + math.log(2 * math.pi))).sum(-1)
-
-
-# ## Generalized advantage estimation
+# ### Hardware choices
 #
-# The policy gradient needs to know how much better an action was than the policy's average at
-# that state: the advantage $A_t$. GAE (Schulman et al., 2016) blends estimates of it from one step
-# to the whole rollout; $\lambda = 0.97$ leans towards the long ones, as VPG references do.
-
-
-def compute_gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor,
-                terminated: torch.Tensor, truncated: torch.Tensor, gamma: float,
-                gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Advantages and returns for a rollout; every argument is `[num_steps, num_envs]`.
-
-    With the TD error of step $t$
-
-    $$\delta_t = r_t + \gamma (1 - \mathrm{terminated}_t) V(s_{t+1}) - V(s_t),$$
-
-    the advantage is the exponentially weighted sum of the TD errors that follow, cut where the
-    episode ends:
-
-    $$\hat A_t = \delta_t + \gamma \lambda (1 - \mathrm{done}_t) \hat A_{t+1},$$
-
-    where $\mathrm{done}_t = \mathrm{terminated}_t \lor \mathrm{truncated}_t$.
-
-    The returns that the value function regresses to are $\hat A_t + V(s_t)$, the
-    $\lambda$-return.
-
-    `next_values[t]` is $V(s_{t+1})$, the value of the observation that step $t$ led to. Where the
-    episode went on, that is `values[t + 1]` (or the value of the observation after the rollout).
-    Where step $t$ ended an episode, the observation the workers returned is already the first of
-    the next one, so the caller supplies the value of the episode's *final* observation instead.
-
-    **Why termination and truncation stay apart.** A termination (the hopper fell, the pendulum
-    dropped) means there is no future: the value after it is 0 and is not bootstrapped. A
-    truncation (the 1,000-step limit of MuJoCo tasks) means only that we stopped watching: the
-    cheetah would have gone on running, so $\delta_t$ bootstraps from $V$ of the final
-    observation, while the sum over later TD errors is still cut, since those belong to the next
-    episode. Folding the two into one `done` flag teaches the value function that the world ends
-    at step 1,000, a fact the agent cannot see in its observation (Pardo et al., 2018). On
-    HalfCheetah, which never terminates, *every* episode ends by truncation, so the difference
-    touches the last steps of every episode.
-    """
-    num_steps = rewards.shape[0]
-    advantages = torch.zeros_like(rewards)
-    not_terminated = 1.0 - terminated.float()
-    not_done = 1.0 - torch.maximum(terminated.float(), truncated.float())
-    deltas = rewards + gamma * not_terminated * next_values - values
-    advantage = torch.zeros_like(rewards[0])
-    for t in reversed(range(num_steps)):
-        advantage = deltas[t] + gamma * gae_lambda * not_done[t] * advantage
-        advantages[t] = advantage
-    return advantages, advantages + values
-
-
-# ## The policy gradient
-#
-# This is the heart of the page: the one equation that every policy-gradient method, PPO included,
-# starts from.
-
-
-class LossTerms(NamedTuple):
-    loss: torch.Tensor
-    policy_loss: torch.Tensor
-    value_loss: torch.Tensor
-    entropy: torch.Tensor
-
-
-def vpg_loss(log_probs: torch.Tensor, advantages: torch.Tensor, values: torch.Tensor, returns: torch.Tensor,
-             entropy: torch.Tensor, vf_coef: float, ent_coef: float) -> LossTerms:
-    r"""The loss whose gradient is the (negated) policy gradient, plus the value and entropy terms.
-
-    **The policy gradient theorem.** We want the parameters $\theta$ that maximise the expected
-    return $J(\theta) = \mathbb E_{\tau \sim \pi_\theta}[R(\tau)]$ of trajectories
-    $\tau = (s_0, a_0, s_1, a_1, \dots)$. The probability of a trajectory is a product of the
-    policy's choices and the environment's transitions,
-    $p_\theta(\tau) = p(s_0) \prod_t \pi_\theta(a_t|s_t)\, p(s_{t+1}|s_t, a_t)$, and only the
-    policy's factors depend on $\theta$. With $\nabla p = p \nabla \log p$ (the log-derivative
-    trick) the gradient becomes an expectation we can sample, with no model of the environment:
-
-    $$\nabla_\theta J(\theta) = \mathbb E_{\tau \sim \pi_\theta}\left[\sum_t
-      \nabla_\theta \log \pi_\theta(a_t|s_t)\; R(\tau)\right].$$
-
-    It holds as well with the advantage of each action in place of the whole return (Williams,
-    1992; Sutton et al., 2000),
-
-    $$\nabla_\theta J(\theta) = \mathbb E_{\tau \sim \pi_\theta}\left[\sum_t
-      \nabla_\theta \log \pi_\theta(a_t|s_t)\; A^{\pi_\theta}(s_t, a_t)\right],$$
-
-    because an action cannot change the rewards that came before it, and because any baseline
-    $b(s_t)$ may be subtracted from what follows it, since its term has expectation zero:
-
-    $$\mathbb E_{a \sim \pi}[\nabla_\theta \log \pi_\theta(a|s)\, b(s)]
-      = b(s)\, \nabla_\theta \int \pi_\theta(a|s)\, da = b(s)\, \nabla_\theta 1 = 0.$$
-
-    Taking the baseline $V(s_t)$ leaves the advantage, whose variance is far smaller than the
-    return's. It reads: make actions that did better than usual more likely, and those that did
-    worse less likely, in proportion to how much better or worse.
-
-    **In code.** With $N$ samples and the GAE estimate $\hat A$ in place of $A$ (a constant here,
-    computed before the step), the surrogate
-
-    $$L^\pi(\theta) = -\frac1N \sum_i \log \pi_\theta(a_i|s_i)\, \hat A_i$$
-
-    has the negated policy gradient as its gradient, so minimising it with Adam ascends $J$. Like
-    nearly every implementation we drop the $\gamma^t$ that the discounted theorem puts on each
-    term (Thomas, 2014), and the advantages are normalised over the batch. The estimate is only
-    right at the $\theta$ that collected the samples: after one step the batch is stale, which is
-    why vanilla policy gradient takes **one** step per batch. (PPO's ratio and clip are what make
-    more steps on one batch safe.)
-
-    The value term is the mean squared error to the $\lambda$-returns, and the entropy bonus
-    $H$ (weight 0 by default) can slow the collapse of $\sigma$:
-    $L = L^\pi + c_V\, \mathbb E[(V_\phi(s) - \hat R)^2] - c_H\, \mathbb E[H]$.
-    """
-    policy_loss = -(log_probs * advantages).mean()
-    value_loss = (values - returns).pow(2).mean()
-    entropy = entropy.mean()
-    loss = policy_loss + vf_coef * value_loss - ent_coef * entropy
-    return LossTerms(loss, policy_loss, value_loss, entropy)
-
-
-def linear_schedule(initial: float, update: int, num_updates: int) -> float:
-    """`initial` annealed linearly: the full value at update 0, `initial / num_updates` at the last."""
-    return initial * (1.0 - update / num_updates)
-
-
-def explained_variance(predictions: torch.Tensor, targets: torch.Tensor) -> float:
-    r"""$1 - \mathrm{Var}[y - \hat y] / \mathrm{Var}[y]$: 1 for a perfect value function, 0 for a constant one."""
-    variance = targets.var()
-    return float("nan") if variance == 0 else float(1.0 - (targets - predictions).var() / variance)
-
-
-# ## The trainer
-#
-# Each update has two phases. **Sampling**: every env plays `num_steps` steps with the current
-# policy while we store the normalised observations, the actions sampled, their log-probabilities,
-# the values, the (scaled) rewards and the episode ends. **Updating**: GAE turns the rollout into
-# advantages and returns; the policy takes one gradient step on the whole batch; then the value
-# function is fitted to the returns with `value_epochs` passes of minibatches, so that the next
-# batch's advantages rest on a value function that has caught up with the policy. Batches are
-# small (8 envs x 32 steps) because the policy moves once per batch: the module docstring has the
-# measurements.
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or gradient became NaN or infinite."""
-
-
-class Rollout(NamedTuple):
-    obs: torch.Tensor             # [num_steps, num_envs, obs_dim], normalised as the policy saw them
-    actions: torch.Tensor         # [num_steps, num_envs, action_dim], the samples themselves (unclipped)
-    log_probs: torch.Tensor       # [num_steps, num_envs], of the samples
-    values: torch.Tensor
-    next_values: torch.Tensor
-    rewards: torch.Tensor
-    terminated: torch.Tensor
-    truncated: torch.Tensor
+# The only choices in this script that depend on the machine rather than on the algorithm, made
+# once, here, before the trainer is built: where the networks run, and on how many threads.
 
 
 def choose_device(requested: str, local_rank: int = 0) -> torch.device:
@@ -1065,215 +1332,22 @@ def choose_device(requested: str, local_rank: int = 0) -> torch.device:
     return device
 
 
-class Trainer:
-    """VPG: the networks, the optimizer, the running statistics, the rollout storage and the update.
+def apply_hardware_choices(device: torch.device) -> None:
+    """One thread for the networks on a CPU, for the whole process: they are too small to share out.
 
-    `envs` needs `num_envs`, `spaces` (an `EnvSpaces`), `reset() -> obs` and
-    `step(actions) -> VecStep`: the `Workers` above, or a small scripted task in the tests.
-    `ranks` makes it one of several data-parallel processes; by default it is the only one.
+    A step of value fitting (a minibatch of 64) took 1.5 ms on one thread and 11 to 22 ms on two,
+    measured on a 2-core machine with other work running, where idle threads of a parallel section
+    spin on cores the workers need.
     """
+    if device.type == "cpu":
+        torch.set_num_threads(1)
 
-    def __init__(self, config: Config, envs, device: torch.device, ranks: Ranks | None = None):
-        self.config = config
-        self.envs = envs
-        self.device = device
-        # One process, unless torchrun started several (see "Past one device", after the trainer).
-        self.ranks = ranks or Ranks()
-        self.num_updates = config.total_timesteps // (config.batch_size * self.ranks.size)
-        if device.type == "cpu":
-            # One thread: these networks are too small to share out. A step of value fitting (a
-            # minibatch of 64) took 1.5 ms on one thread and 11 to 22 ms on two, measured on a
-            # 2-core machine with other work running, where idle threads of a parallel section
-            # spin on cores the workers need. The setting is the whole process's.
-            torch.set_num_threads(1)
-        spaces = envs.spaces
-        self.action_low, self.action_high = spaces.action_low, spaces.action_high
-        self.policy = GaussianPolicy(spaces.obs_dim, spaces.action_dim, config.state_dependent_std).to(device)
-        self.value = ValueFunction(spaces.obs_dim).to(device)
-        self.ranks.broadcast_parameters(self.policy, self.value)
-        # One Adam over both networks, a parameter group (and learning rate) each. A step on the
-        # value loss alone leaves the policy's parameters without gradients, and Adam skips them.
-        # eps 1e-5 rather than 1e-8, as in the PPO reference implementation.
-        self.optimizer = torch.optim.Adam([{"params": self.policy.parameters(), "lr": config.learning_rate},
-                                           {"params": self.value.parameters(), "lr": config.value_learning_rate}],
-                                          eps=1e-5)
-        self.obs_normalizer = ObservationNormalizer(spaces.obs_dim, enabled=config.normalize_observations)
-        self.reward_scaler = RewardScaler(envs.num_envs, config.gamma) if config.normalize_rewards else None
-        # With several ranks each sees only its own envs; after every rollout they pool the
-        # statistics of what they saw, so that all of them normalise alike.
-        self.shared_statistics: list[SharedRunningMeanStd] = []
-        if self.ranks.size > 1:
-            self.obs_normalizer.stats = SharedRunningMeanStd((spaces.obs_dim,))
-            self.shared_statistics.append(self.obs_normalizer.stats)
-            if self.reward_scaler is not None:
-                self.reward_scaler.stats = SharedRunningMeanStd()
-                self.shared_statistics.append(self.reward_scaler.stats)
-        self.update = 0
-        self.global_step = 0
-        shape = (config.num_steps, envs.num_envs)
-        self.obs = torch.zeros(shape + (spaces.obs_dim,), device=device)
-        self.actions = torch.zeros(shape + (spaces.action_dim,), device=device)
-        self.log_probs, self.values, self.next_values, self.rewards, self.terminated, self.truncated = (
-            torch.zeros(shape, device=device) for _ in range(6))
-        self.next_obs = torch.zeros((envs.num_envs, spaces.obs_dim), device=device)
-        self.needs_reset = True
-        self.finished_episodes: list[tuple[int, float, int]] = []
-        self.timings = {"env": 0.0, "inference": 0.0, "update": 0.0}
 
-    def _observe(self, raw_obs: np.ndarray) -> None:
-        """Fold the new observations into the running statistics, then normalise them for the policy."""
-        self.obs_normalizer.update(raw_obs)
-        self.next_obs.copy_(torch.from_numpy(self.obs_normalizer(raw_obs)))
-
-    def collect_rollout(self, stop_requested=lambda: False) -> Rollout | None:
-        """Play `num_steps` steps in every env; `None` if `stop_requested()` turned true meanwhile."""
-        with torch.inference_mode():
-            return self._collect_rollout(stop_requested)
-
-    def _collect_rollout(self, stop_requested) -> Rollout | None:
-        if self.needs_reset:
-            self._observe(self.envs.reset())
-            self.needs_reset = False
-        self.finished_episodes = []
-        truncations = []
-        for t in range(self.config.num_steps):
-            if stop_requested():
-                return None
-            started = time.perf_counter()
-            self.obs[t] = self.next_obs
-            mean, std = self.policy(self.next_obs)
-            actions = sample_actions(mean, std)
-            self.actions[t], self.log_probs[t] = actions, gaussian_log_prob(mean, std, actions)
-            self.values[t] = self.value(self.next_obs)
-            # The env gets the action clipped to its bounds; we keep the sample itself, since its
-            # log-probability is the one the gradient needs. Seen this way the clip is part of the
-            # environment and the estimate stays unbiased; storing the clipped action instead would
-            # take the gradient of the log-density of a point the policy did not sample.
-            # (Fujita and Maeda, 2018, "Clipped action policy gradient", lower its variance further.)
-            env_actions = np.clip(actions.cpu().numpy().astype(np.float64), self.action_low, self.action_high)
-            stepped = time.perf_counter()
-            self.timings["inference"] += stepped - started
-            step = self.envs.step(env_actions)
-            self.timings["env"] += time.perf_counter() - stepped
-            rewards = step.rewards
-            if self.reward_scaler is not None:
-                rewards = self.reward_scaler(rewards, step.terminated | step.truncated)
-            self.rewards[t] = torch.from_numpy(np.asarray(rewards, np.float32)).to(self.device)
-            self.terminated[t] = torch.from_numpy(step.terminated).to(self.device)
-            self.truncated[t] = torch.from_numpy(step.truncated).to(self.device)
-            for env in np.flatnonzero(step.truncated):
-                # Normalised with today's statistics, like the observation it stands in for.
-                truncations.append((t, int(env), torch.from_numpy(self.obs_normalizer(step.final_obs[env]))))
-            self.finished_episodes += step.finished_episodes
-            self._observe(step.obs)
-        # Counted only for a whole rollout (one cut short by a stop request is discarded), over all ranks.
-        self.global_step += self.config.num_steps * self.envs.num_envs * self.ranks.size
-        self.ranks.share_statistics(self.shared_statistics, self.device)
-
-        started = time.perf_counter()
-        # $V(s_{t+1})$ for every step: the next stored value, the value after the rollout for the
-        # last step, and the value of the final observation where an episode was truncated.
-        self.next_values[:-1] = self.values[1:]
-        self.next_values[-1] = self.value(self.next_obs)
-        if truncations:
-            final_values = self.value(torch.stack([obs for _, _, obs in truncations]).to(self.device))
-            for (t, env, _), value in zip(truncations, final_values):
-                self.next_values[t, env] = value
-        self.timings["inference"] += time.perf_counter() - started
-        return Rollout(self.obs, self.actions, self.log_probs, self.values, self.next_values,
-                       self.rewards, self.terminated, self.truncated)
-
-    def _gradient_step(self, loss: torch.Tensor, parameters: list[nn.Parameter], what: str) -> None:
-        """One Adam step on `loss`, its gradient's norm clipped; refuses a NaN or infinite gradient."""
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.ranks.average_gradients(parameters)
-        grad_norm = nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm)
-        if not torch.isfinite(grad_norm):
-            raise NonFiniteError(f"the loss or its gradient became {grad_norm.item()} at update "
-                                 f"{self.update + 1} ({what}); no step was taken")
-        self.optimizer.step()
-
-    def update_policy(self, rollout: Rollout) -> dict[str, float]:
-        """One VPG update on `rollout`: a policy-gradient step, then the value function's fit."""
-        config = self.config
-        started = time.perf_counter()
-        learning_rate = linear_schedule(config.learning_rate, self.update, self.num_updates)
-        value_learning_rate = linear_schedule(config.value_learning_rate, self.update, self.num_updates)
-        self.optimizer.param_groups[0]["lr"] = learning_rate
-        self.optimizer.param_groups[1]["lr"] = value_learning_rate
-
-        with torch.no_grad():
-            advantages, returns = compute_gae(rollout.rewards, rollout.values, rollout.next_values,
-                                              rollout.terminated, rollout.truncated, config.gamma, config.gae_lambda)
-        obs, actions = rollout.obs.flatten(0, 1), rollout.actions.flatten(0, 1)
-        old_log_probs, old_values = rollout.log_probs.flatten(), rollout.values.flatten()
-        advantages, returns = advantages.flatten(), returns.flatten()
-        # Normalise the advantages over the batch (of all ranks): the size of the step no longer
-        # depends on the scale of the rewards, and about half the actions are pushed up, half down.
-        advantages = self.ranks.normalize(advantages)
-
-        # The policy-gradient step: one, on the whole batch. The value term of the loss reaches only
-        # the value network's parameters (the networks share none): it is the first step of the
-        # value function's fit, which the minibatch passes below finish.
-        mean, std = self.policy(obs)
-        log_probs = gaussian_log_prob(mean, std, actions)
-        terms = vpg_loss(log_probs, advantages, self.value(obs), returns, gaussian_entropy(std),
-                         config.vf_coef, config.ent_coef)
-        self._gradient_step(terms.loss, list(self.policy.parameters()) + list(self.value.parameters()),
-                            "the policy-gradient step")
-        with torch.no_grad():
-            # How far the step moved the policy on this batch: $\mathrm{KL}(\pi_\text{old} \| \pi_\theta)$
-            # estimated with $\mathbb E[(r - 1) - \log r]$, where $r = \pi_\theta / \pi_\text{old}$.
-            log_ratio = gaussian_log_prob(*self.policy(obs), actions) - old_log_probs
-            approx_kl = ((log_ratio.exp() - 1.0) - log_ratio).mean()
-
-        # Fitting the value function: regression to the returns, in shuffled minibatches.
-        value_parameters = list(self.value.parameters())
-        for epoch in range(config.value_epochs):
-            order = torch.randperm(config.batch_size, device=self.device)
-            for start in range(0, config.batch_size, config.minibatch_size):
-                batch = order[start:start + config.minibatch_size]
-                value_loss = (self.value(obs[batch]) - returns[batch]).pow(2).mean()
-                self._gradient_step(config.vf_coef * value_loss, value_parameters,
-                                    f"value fitting, pass {epoch + 1}")
-        self.update += 1
-        # What is logged, as means over the ranks: for the losses and the KL, means over equal
-        # batches, that is the means over the combined batch; for the explained variance, an average.
-        variance_explained = torch.tensor(explained_variance(old_values, returns), device=self.device)
-        logged = torch.stack([*(term.detach() for term in terms), approx_kl, variance_explained])
-        stats = dict(zip(LossTerms._fields + ("approx_kl", "explained_variance"), self.ranks.mean(logged).tolist()))
-        stats.update(learning_rate=learning_rate, value_learning_rate=value_learning_rate)
-        self.timings["update"] += time.perf_counter() - started
-        return stats
-
-    # ### Checkpoints
-    #
-    # A checkpoint holds all the state of training: both networks, Adam's moments, the running
-    # statistics of observations and rewards, the counters, the random state of every rank and the
-    # configuration. The envs themselves restart on resume; their simulator state is not saved.
-
-    def state_dict(self) -> dict:
-        """The state to save. With several ranks, every rank must call it: it gathers their random states."""
-        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.zeros(0, dtype=torch.uint8)
-        return {"format": CHECKPOINT_FORMAT, "config": dataclasses.asdict(self.config),
-                "update": self.update, "global_step": self.global_step, "ranks": self.ranks.size,
-                "policy": self.policy.state_dict(), "value": self.value.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "obs_normalizer": self.obs_normalizer.state_dict(),
-                "reward_scaler": self.reward_scaler.stats.state_dict() if self.reward_scaler else None,
-                "torch_rng": self.ranks.gather(torch.get_rng_state()), "cuda_rng": self.ranks.gather(cuda_rng)}
-
-    def load_state_dict(self, checkpoint: dict, path: str = "(in memory)") -> None:
-        restore_networks({"policy": self.policy, "value": self.value}, checkpoint, path)
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
-        self.obs_normalizer.load_state_dict(checkpoint["obs_normalizer"])
-        if self.reward_scaler is not None and checkpoint["reward_scaler"] is not None:
-            self.reward_scaler.stats.load_state_dict(checkpoint["reward_scaler"])
-        self.update, self.global_step = checkpoint["update"], checkpoint["global_step"]
-        torch.set_rng_state(checkpoint["torch_rng"][self.ranks.rank])
-        if self.device.type == "cuda" and len(checkpoint["cuda_rng"][self.ranks.rank]):
-            torch.cuda.set_rng_state(checkpoint["cuda_rng"][self.ranks.rank], self.device)
+# ### Checkpoints
+#
+# A checkpoint holds all the state of training: both networks, Adam's moments, the running
+# statistics of observations and rewards, the counters, the random state of every rank and the
+# configuration. The envs themselves restart on resume; their simulator state is not saved.
 
 
 CHECKPOINT_FORMAT = "vpg_continuous/1"
@@ -1314,7 +1388,37 @@ def restore_networks(networks: dict[str, nn.Module], checkpoint: dict, path: str
                               f"{' '.join(first[1:2] or first)}") from None
 
 
-# ### Logging and stopping
+def checkpoint_state(trainer: Trainer, env_id: str, ranks: Ranks | None = None) -> dict:
+    """The trainer's state as a checkpoint holds it, marked with the env it learned, so that another
+    env's run refuses it. With several ranks every rank must call it: it gathers their random states."""
+    ranks = ranks or Ranks()
+    device = trainer.device
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.zeros(0, dtype=torch.uint8)
+    return {"format": CHECKPOINT_FORMAT, "config": dataclasses.asdict(trainer.config), "env_id": env_id,
+            "update": trainer.update, "global_step": trainer.global_step, "ranks": ranks.size,
+            "policy": trainer.policy.state_dict(), "value": trainer.value.state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "obs_normalizer": trainer.obs_normalizer.state_dict(),
+            "reward_scaler": trainer.reward_scaler.stats.state_dict() if trainer.reward_scaler else None,
+            "torch_rng": ranks.gather(torch.get_rng_state()), "cuda_rng": ranks.gather(cuda_rng)}
+
+
+def restore_checkpoint(trainer: Trainer, checkpoint: dict, path: str = "(in memory)",
+                       ranks: Ranks | None = None) -> None:
+    """Put `trainer` back in the state `checkpoint_state` saved; each rank takes its own random state."""
+    ranks = ranks or Ranks()
+    restore_networks({"policy": trainer.policy, "value": trainer.value}, checkpoint, path)
+    trainer.optimizer.load_state_dict(checkpoint["optimizer"])
+    trainer.obs_normalizer.load_state_dict(checkpoint["obs_normalizer"])
+    if trainer.reward_scaler is not None and checkpoint["reward_scaler"] is not None:
+        trainer.reward_scaler.stats.load_state_dict(checkpoint["reward_scaler"])
+    trainer.update, trainer.global_step = checkpoint["update"], checkpoint["global_step"]
+    torch.set_rng_state(checkpoint["torch_rng"][ranks.rank])
+    if trainer.device.type == "cuda" and len(checkpoint["cuda_rng"][ranks.rank]):
+        torch.cuda.set_rng_state(checkpoint["cuda_rng"][ranks.rank], trainer.device)
+
+
+# ### Logging and progress
 
 
 class Progress:
@@ -1351,6 +1455,69 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
 
 
+def hyperparameter_table(config: Config, env_id: str, ranks: int = 1) -> str:
+    rows = [f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items()]
+    first = [f"|env_id|{env_id}|"] + ([f"|ranks|{ranks}|"] if ranks > 1 else [])
+    return "|parameter|value|\n|-|-|\n" + "\n".join(first + rows)
+
+
+def default_run_dir(config: Config, env_id: str) -> Path:
+    return Path("runs") / f"{gym.spec(env_id).name}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def time_calls(owner, name: str, timings: dict[str, float], key: str) -> None:
+    """Add the seconds that each call of `owner.<name>` takes to `timings[key]`.
+
+    It wraps the method of this one object, so the code it times holds no timer, whatever class
+    the object is (Part 1's `Trainer`, Part 4's, or the `Workers`).
+    """
+    method = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            timings[key] += time.perf_counter() - started
+
+    setattr(owner, name, timed)
+
+
+# What `Trainer.update_policy` reports besides what it measured: the learning rates of the update.
+SCHEDULED = ("learning_rate", "value_learning_rate")
+
+
+def log_update(writer, step: int, stats: dict[str, float], finished_episodes: list, progress: Progress,
+               seconds: dict[str, float]) -> None:
+    """CleanRL's tags, so curves compare across projects.
+
+    Every entry of `stats` that the update measured is logged as `losses/<name>`, all but the total
+    loss: each term of the loss's result (`LossTerms`), so a new term needs no edit here, then
+    `approx_kl`, how far the one step moved the policy, and `explained_variance`. VPG has no clip
+    range, so no `charts/clip_range` or `losses/clipfrac`. `finished_episodes` are those of every
+    rank; `seconds` are the phases' times in this update, as `perf/<phase>_seconds`.
+    """
+    for _, episode_return, length in finished_episodes:
+        writer.add_scalar("charts/episodic_return", episode_return, step)
+        writer.add_scalar("charts/episodic_length", length, step)
+        progress.returns.append(episode_return)
+    writer.add_scalar("charts/learning_rate", stats["learning_rate"], step)
+    for name, value in stats.items():
+        if name not in ("loss", *SCHEDULED):
+            writer.add_scalar(f"losses/{name}", value, step)
+    writer.add_scalar("charts/SPS", progress.steps_per_second(step), step)
+    for phase, value in seconds.items():
+        writer.add_scalar(f"perf/{phase}_seconds", value, step)
+    progress.show(step)
+
+
+# ### Signals
+#
+# Ctrl-C or SIGTERM asks a run to stop at the next safe point: between two steps of the envs (the
+# unfinished rollout is dropped) or after an update. The checkpoint is then written and the exit
+# status is 128 plus the signal's number. A second signal aborts at once.
+
+
 class StopRequest:
     """Turns Ctrl-C (SIGINT) and SIGTERM into a request to stop at the next safe point.
 
@@ -1385,19 +1552,32 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-def hyperparameter_table(config: Config, env_id: str, ranks: int = 1) -> str:
-    rows = [f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items()]
-    first = [f"|env_id|{env_id}|"] + ([f"|ranks|{ranks}|"] if ranks > 1 else [])
-    return "|parameter|value|\n|-|-|\n" + "\n".join(first + rows)
+class Stopped(Exception):
+    """Ends the loop of training at a safe point after a `StopRequest`; `signal` is the signal's number."""
+
+    def __init__(self, signal_number: int):
+        super().__init__(signal_number)
+        self.signal = signal_number
 
 
-def default_run_dir(config: Config, env_id: str) -> Path:
-    return Path("runs") / f"{gym.spec(env_id).name}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+def stop_between_steps(envs, stop: StopRequest) -> None:
+    """Make `envs.step` raise `Stopped` instead of stepping once a stop is requested, so that one
+    process stops within a rollout rather than after it."""
+    step = envs.step
+
+    def step_unless_stopped(actions: np.ndarray) -> VecStep:
+        if stop():
+            raise Stopped(stop.signal)
+        return step(actions)
+
+    envs.step = step_unless_stopped
 
 
-def checkpoint_state(trainer: Trainer, env_id: str) -> dict:
-    """The trainer's state, marked with the env it learned, so that another env's run refuses it."""
-    return {**trainer.state_dict(), "env_id": env_id}
+# ### The run
+#
+# `train` makes the run's directory, workers, device and trainer, then runs Part 1's loop with
+# what a real run adds after each update: logs, progress, checkpoints, and a stop when asked. With
+# several ranks (Part 4) each rank runs it, and rank 0 alone writes.
 
 
 def train(config: Config, env_id: str, spaces: EnvSpaces, checkpoint: dict | None = None) -> int:
@@ -1436,16 +1616,28 @@ def train(config: Config, env_id: str, spaces: EnvSpaces, checkpoint: dict | Non
 
 def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Workers, device: torch.device,
                ranks: Ranks, run_dir: Path, num_workers: int) -> int:
-    """The training loop of `train`, once the envs and the device are ready."""
+    """The run of `train`, once the envs and the device are ready."""
     from torch.utils.tensorboard import SummaryWriter
 
-    trainer = Trainer(config, envs, device, ranks=ranks)
+    apply_hardware_choices(device)
+    # With several ranks a rollout always finishes, and the ranks agree after each update on
+    # whether any of them was asked to stop; a terminal's Ctrl-C reaches each of them twice.
+    stop = StopRequest(announce=ranks.is_main, same_within=1.0 if ranks.size > 1 else 0.0)
+    timings = {"env": 0.0, "sampling": 0.0, "update": 0.0}
+    time_calls(envs, "step", timings, "env")
+    if ranks.size == 1:
+        stop_between_steps(envs, stop)
+        trainer = Trainer(config, envs, device)
+    else:
+        trainer = DataParallelTrainer(config, envs, device, ranks)
+    time_calls(trainer, "collect_rollout", timings, "sampling")
+    time_calls(trainer, "update_policy", timings, "update")
     if checkpoint is not None:
-        trainer.load_state_dict(checkpoint, config.resume)
+        restore_checkpoint(trainer, checkpoint, config.resume, ranks)
     checkpoint_path = run_dir / "checkpoint.pt"
 
     def write_checkpoint() -> None:
-        state = checkpoint_state(trainer, env_id)  # every rank takes part: it gathers their random states
+        state = checkpoint_state(trainer, env_id, ranks)  # every rank takes part: it gathers their random states
         if ranks.is_main:
             save_checkpoint(state, checkpoint_path)
 
@@ -1458,31 +1650,30 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
         across = f" on each of {ranks.size} ranks" if ranks.size > 1 else ""
         print(f"{env_id}: training on {device}, {config.num_envs} envs in {num_workers} workers{across}; "
               f"logs and checkpoints in {run_dir}", file=sys.stderr)
-    # The loop of training: sample a rollout, update on it, log, and write a checkpoint every
-    # `checkpoint_every` updates and at the end. Ctrl-C or SIGTERM asks it to stop at the next safe
-    # point, between two steps of the envs (the unfinished rollout is dropped) or after an update;
-    # the checkpoint is then written and the exit status is 128 plus the signal's number. With
-    # several ranks a rollout always finishes, and the ranks agree after each update on whether any
-    # of them was asked to stop.
+    before = dict(timings)
+
+    def after_update(stats: dict[str, float]) -> None:
+        """Log the update, stop if asked, and write a checkpoint every `checkpoint_every` updates."""
+        finished_episodes = [episode for episodes in ranks.gather(trainer.finished_episodes) for episode in episodes]
+        if ranks.is_main:
+            # The rollout's time outside the envs' steps is the networks' (with the copies around them).
+            spent = {phase: seconds - before[phase] for phase, seconds in timings.items()}
+            seconds = {"env": spent["env"], "inference": spent["sampling"] - spent["env"], "update": spent["update"]}
+            log_update(writer, trainer.global_step, stats, finished_episodes, progress, seconds)
+        before.update(timings)
+        stopped_by = ranks.largest(stop.signal or 0, device)
+        if stopped_by:
+            raise Stopped(stopped_by)
+        if trainer.update % config.checkpoint_every == 0 and trainer.update < trainer.num_updates:
+            write_checkpoint()  # the last one, or the one after a stop, is written below
+
     stopped_by = 0
     try:
-        with StopRequest(announce=ranks.is_main, same_within=1.0 if ranks.size > 1 else 0.0) as stop:
-            while trainer.update < trainer.num_updates:
-                iteration_started = dict(trainer.timings)
-                rollout = trainer.collect_rollout(stop if ranks.size == 1 else lambda: False)
-                if rollout is None:
-                    stopped_by = stop.signal
-                    break
-                stats = trainer.update_policy(rollout)
-                finished_episodes = [episode for episodes in ranks.gather(trainer.finished_episodes)
-                                     for episode in episodes]
-                if ranks.is_main:
-                    log_update(writer, trainer, stats, finished_episodes, progress, iteration_started)
-                stopped_by = ranks.largest(stop.signal or 0, device)
-                if stopped_by:
-                    break
-                if trainer.update % config.checkpoint_every == 0 and trainer.update < trainer.num_updates:
-                    write_checkpoint()  # the last one, or the one after a stop, is written below
+        with stop:
+            try:
+                trainer.train(after_update)
+            except Stopped as stopped:
+                stopped_by = stopped.signal
         write_checkpoint()
         if not ranks.is_main:
             return 128 + stopped_by if stopped_by else 0
@@ -1517,29 +1708,162 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
             writer.close()
 
 
-def log_update(writer, trainer: Trainer, stats: dict, finished_episodes: list, progress: Progress,
-               timings_before: dict) -> None:
-    """CleanRL's tags, so curves compare across projects. VPG has no clip range, so no
-    `charts/clip_range` or `losses/clipfrac`; `losses/approx_kl` is how far the one step moved the policy.
-    `finished_episodes` are those of every rank."""
-    step = trainer.global_step
-    for _, episode_return, length in finished_episodes:
-        writer.add_scalar("charts/episodic_return", episode_return, step)
-        writer.add_scalar("charts/episodic_length", length, step)
-        progress.returns.append(episode_return)
-    writer.add_scalar("charts/learning_rate", stats["learning_rate"], step)
-    for name in ["policy_loss", "value_loss", "entropy", "approx_kl", "explained_variance"]:
-        writer.add_scalar(f"losses/{name}", stats[name], step)
-    writer.add_scalar("charts/SPS", progress.steps_per_second(step), step)
-    for name, seconds in trainer.timings.items():
-        writer.add_scalar(f"perf/{name}_seconds", seconds - timings_before.get(name, 0.0), step)
-    progress.show(step)
-
-
-# ## Past one device: data-parallel training with torchrun
+# ### Evaluation and video
 #
-# This section is optional: without torchrun there is one rank, every method of `Ranks` returns at
-# once, and the script runs exactly as the sections above describe.
+# Evaluation plays whole episodes, several at once in this process, with the observation
+# statistics frozen as the checkpoint saved them: the policy learned on inputs normalised that way,
+# and statistics that kept moving would change the policy under test. Actions are sampled as in
+# training, or with `--eval-deterministic` the mean action is taken.
+
+
+# A MuJoCo render context built and used once: what `choose_mujoco_gl` runs in a fresh interpreter.
+GL_PROBE = ("import mujoco; context = mujoco.GLContext(16, 16); context.make_current(); "
+            "mujoco.MjrContext(mujoco.MjModel.from_xml_string('<mujoco/>'), mujoco.mjtFontScale.mjFONTSCALE_100); "
+            "context.free()")
+
+GL_PACKAGES = {"egl": "EGL (Debian/Ubuntu: apt install libegl1 libgl1-mesa-dri)",
+               "osmesa": "OSMesa (Debian/Ubuntu: apt install libosmesa6)",
+               "glfw": "a display for GLFW"}
+
+
+def choose_mujoco_gl(env_id: str) -> str:
+    """The OpenGL platform MuJoCo renders videos with (`MUJOCO_GL`), set before MuJoCo is imported.
+
+    MuJoCo picks its platform once, when it is imported: `glfw` (the default) needs a display,
+    `egl` renders off-screen on a GPU or with Mesa's software renderer, `osmesa` in software. Which
+    one works depends on the machine, and a failed attempt cannot be undone in the same process, so
+    each candidate is tried in a fresh interpreter, in that order, unless `MUJOCO_GL` names one.
+    """
+    requested = os.environ.get("MUJOCO_GL")
+    candidates = [requested] if requested else ["egl", "osmesa", "glfw"]
+    for backend in candidates:
+        try:
+            probe = subprocess.run([sys.executable, "-c", GL_PROBE], env={**os.environ, "MUJOCO_GL": backend},
+                                   capture_output=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            continue
+        if probe.returncode == 0:
+            os.environ["MUJOCO_GL"] = backend
+            return backend
+    if requested and requested.lower() not in GL_PACKAGES:
+        raise ConfigError(f"cannot record {env_id}: MUJOCO_GL={requested} is none of {', '.join(GL_PACKAGES)}")
+    if requested:
+        raise ConfigError(f"cannot record {env_id}: MuJoCo cannot render with MUJOCO_GL={requested} here; "
+                          f"install {GL_PACKAGES[requested.lower()]}, or unset MUJOCO_GL to try the others")
+    raise ConfigError(f"cannot record {env_id}: MuJoCo found no OpenGL to render with (tried MUJOCO_GL=egl, osmesa, "
+                      f"glfw); install {GL_PACKAGES['egl']} or {GL_PACKAGES['osmesa']}")
+
+
+def uses_mujoco(env_id: str) -> bool:
+    entry_point = gym.spec(env_id).entry_point
+    return isinstance(entry_point, str) and entry_point.startswith("gymnasium.envs.mujoco")
+
+
+def open_video(path: Path, frame: np.ndarray, fps: float) -> cv2.VideoWriter:
+    height, width = frame.shape[:2]
+    video = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+    if not video.isOpened():
+        raise ConfigError(f"OpenCV cannot write {path}")
+    return video
+
+
+def evaluate(config: Config, env_id: str, spaces: EnvSpaces, checkpoint: dict) -> list[float]:
+    """Play `eval_episodes` episodes with the checkpoint's policy; their returns."""
+    device = choose_device(config.device)
+    policy = make_networks(spaces, config)[0].to(device)
+    restore_networks({"policy": policy}, checkpoint, config.eval)
+    policy.eval()
+    normalizer = ObservationNormalizer(spaces.obs_dim, enabled=config.normalize_observations)
+    normalizer.load_state_dict(checkpoint["obs_normalizer"])
+    torch.manual_seed(config.seed)
+    if config.capture_video:
+        # pygame, which draws the classic-control tasks, needs no display or sound card for this.
+        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+        os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+    seeds = env_seeds(config.seed + 1_000_003, config.eval_episodes)  # episodes unlike the training ones
+    tasks = [Task(env_id, seed, config.max_episode_steps, render=config.capture_video) for seed in seeds]
+    videos: list[cv2.VideoWriter] = []
+    try:
+        for task in tasks:
+            task.reset()
+        if config.capture_video:
+            video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
+            video_dir.mkdir(parents=True, exist_ok=True)
+            fps = tasks[0].env.metadata.get("render_fps") or 30
+            for index, task in enumerate(tasks):
+                frame = render_frame(task, env_id)
+                videos.append(open_video(video_dir / f"eval-{gym.spec(env_id).name}-episode{index:02d}.mp4", frame, fps))
+                videos[index].write(frame)
+        returns = [0.0] * len(tasks)
+        playing = list(range(len(tasks)))
+        with torch.inference_mode():
+            while playing:
+                obs = torch.from_numpy(normalizer(np.stack([tasks[i].obs for i in playing]))).to(device)
+                mean, std = policy(obs)
+                actions = mean if config.eval_deterministic else sample_actions(mean, std)
+                actions = np.clip(actions.cpu().numpy().astype(np.float64), spaces.action_low, spaces.action_high)
+                still_playing = []
+                for i, action in zip(playing, actions):
+                    step = tasks[i].step(action)
+                    if videos:
+                        videos[i].write(render_frame(tasks[i], env_id))
+                    if step.terminated or step.truncated:
+                        returns[i] = step.episode_return
+                    else:
+                        still_playing.append(i)
+                playing = still_playing
+    finally:
+        for video in videos:
+            video.release()
+        for task in tasks:
+            task.close()
+    if videos:
+        print(f"videos in {video_dir}", file=sys.stderr)
+    return returns
+
+
+def render_frame(task: Task, env_id: str) -> np.ndarray:
+    """The task's frame as OpenCV wants it (BGR), or a `ConfigError` naming what rendering lacks."""
+    try:
+        frame = task.render()
+    except gym.error.DependencyNotInstalled as error:
+        raise ConfigError(f"cannot record {env_id}: {str(error).strip().splitlines()[0]}") from None
+    return cv2.cvtColor(np.ascontiguousarray(frame), cv2.COLOR_RGB2BGR)
+
+
+# ### main
+#
+# Everything a user can get wrong is a `ConfigError`, reported in one line with exit status 2.
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "vpg_continuous.py"
+    try:
+        config, checkpoint = parse_config(argv)
+        env_id = resolve_env_id(config.env)
+        if checkpoint is not None and checkpoint["env_id"] != env_id:
+            raise ConfigError(f"checkpoint {config.resume or config.eval} was trained on {checkpoint['env_id']}, "
+                              f"not {env_id}")
+        if config.capture_video and uses_mujoco(env_id):
+            choose_mujoco_gl(env_id)  # before `describe_env` imports MuJoCo
+        spaces = describe_env(env_id)
+        if config.eval is not None:
+            returns = evaluate(config, env_id, spaces, checkpoint)
+            print(f"{env_id}: {len(returns)} episodes, return {np.mean(returns):.1f} ± {np.std(returns):.1f} "
+                  f"(min {min(returns):.1f}, max {max(returns):.1f})")
+            return 0
+        return train(config, env_id, spaces, checkpoint)
+    except ConfigError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+
+
+# ## Part 4: More than one device
+#
+# ### Data-parallel training with torchrun
+#
+# This part is optional: without torchrun there is one rank, `train` builds Part 1's `Trainer`,
+# every method of `Ranks` returns at once, and the script runs exactly as the parts above describe.
 #
 # `torchrun --nproc_per_node N vpg_continuous.py --env HalfCheetah-v5` starts N copies of this
 # script, the *ranks*; `torchrun --nnodes M --nproc_per_node N --rdzv-endpoint HOST:PORT ...`
@@ -1547,7 +1871,8 @@ def log_update(writer, trainer: Trainer, stats: dict, finished_episodes: list, p
 # seeds of the run after those of the rank before it, and collects its own rollout: a batch holds N
 # times as many transitions, and `--total-timesteps` counts the steps of all ranks. All keep the
 # same networks, which start from rank 0's initialisation. Rank 0 alone writes the logs and the
-# checkpoints. Three things make an update the single-process update on the combined batch:
+# checkpoints. `DataParallelTrainer` is Part 1's `Trainer` with a few of its textbook methods
+# overridden; three things make its update the single-process update on the combined batch:
 #
 # * **Gradients are averaged** over the ranks after each backward pass. The mean of the ranks'
 #   gradients of means over equal batches is the gradient of the mean over the combined batch, so
@@ -1573,8 +1898,8 @@ def log_update(writer, trainer: Trainer, stats: dict, finished_episodes: list, p
 #
 # **What more ranks buy.** Steps per second, not learning per sample. VPG takes one policy step
 # per batch and N ranks make the batch N times larger, so at a fixed `--total-timesteps` the policy
-# moves N times fewer times, and the module docstring found small batches to learn more from each
-# step of experience. To keep a single process's batch, give each rank `--num-envs` divided by N:
+# moves N times fewer times, and the table under `Config` shows small batches learning more from
+# each step of experience. To keep a single process's batch, give each rank `--num-envs` divided by N:
 # the sampling is then shared out, but an update costs a rank about what it cost one process
 # (overhead per operation, see `choose_device`), so ranks pay off best in forks with larger
 # batches or networks.
@@ -1638,13 +1963,17 @@ class Ranks:
             reason = str(error).strip().splitlines()[0].split("] ")[-1].split(". ")[0]
             raise RankFailure(f"rank {self.rank}: another rank failed or left ({reason})") from None
 
-    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The mean of `tensor` over the ranks."""
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of `tensor` over the ranks."""
         if self.size == 1:
             return tensor
         total = tensor.clone()
         self._collective(dist.all_reduce, total)
-        return total / self.size
+        return total
+
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The mean of `tensor` over the ranks."""
+        return tensor if self.size == 1 else self.sum(tensor) / self.size
 
     def average_gradients(self, parameters: list[nn.Parameter]) -> None:
         """Replace each gradient by its mean over the ranks, in one message for all of them."""
@@ -1654,23 +1983,6 @@ class Ranks:
         flat = self.mean(torch.cat([g.flatten() for g in gradients]))
         for gradient, average in zip(gradients, flat.split([g.numel() for g in gradients])):
             gradient.copy_(average.view_as(gradient))
-
-    def normalize(self, advantages: torch.Tensor) -> torch.Tensor:
-        r"""Advantages minus their mean, over their standard deviation, both over the combined batch.
-
-        With several ranks, the mean $\mu = S_1 / n$ and the unbiased variance
-        $(S_2 - n \mu^2) / (n - 1)$ come from $S_1 = \sum_i \hat A_i$, $S_2 = \sum_i \hat A_i^2$
-        and the count $n$, each added over the ranks.
-        """
-        if self.size == 1:
-            return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-        sums = torch.stack([advantages.sum(), advantages.pow(2).sum(),
-                            torch.tensor(float(advantages.numel()), device=advantages.device)])
-        self._collective(dist.all_reduce, sums)
-        total, squares, count = sums
-        mean = total / count
-        variance = (squares - count * mean ** 2) / (count - 1)
-        return (advantages - mean) / (variance.clamp(min=0).sqrt() + 1e-8)
 
     def broadcast_parameters(self, *networks: nn.Module) -> None:
         """Start every rank from rank 0's initialisation."""
@@ -1768,176 +2080,63 @@ class SharedRunningMeanStd(RunningMeanStd):
         self.fresh = RunningMeanStd(np.shape(self.mean))
 
 
-# ## Evaluation
-#
-# Evaluation plays whole episodes, several at once in this process, with the observation
-# statistics frozen as the checkpoint saved them: the policy learned on inputs normalised that way,
-# and statistics that kept moving would change the policy under test. Actions are sampled as in
-# training, or with `--eval-deterministic` the mean action is taken.
+class DataParallelTrainer(Trainer):
+    """Part 1's `Trainer` as one of several ranks: every rank takes the update that one process
+    would take on the combined batch of all of them.
 
-
-# A MuJoCo render context built and used once: what `choose_mujoco_gl` runs in a fresh interpreter.
-GL_PROBE = ("import mujoco; context = mujoco.GLContext(16, 16); context.make_current(); "
-            "mujoco.MjrContext(mujoco.MjModel.from_xml_string('<mujoco/>'), mujoco.mjtFontScale.mjFONTSCALE_100); "
-            "context.free()")
-
-GL_PACKAGES = {"egl": "EGL (Debian/Ubuntu: apt install libegl1 libgl1-mesa-dri)",
-               "osmesa": "OSMesa (Debian/Ubuntu: apt install libosmesa6)",
-               "glfw": "a display for GLFW"}
-
-
-def choose_mujoco_gl(env_id: str) -> str:
-    """The OpenGL platform MuJoCo renders videos with (`MUJOCO_GL`), set before MuJoCo is imported.
-
-    MuJoCo picks its platform once, when it is imported: `glfw` (the default) needs a display,
-    `egl` renders off-screen on a GPU or with Mesa's software renderer, `osmesa` in software. Which
-    one works depends on the machine, and a failed attempt cannot be undone in the same process, so
-    each candidate is tried in a fresh interpreter, in that order, unless `MUJOCO_GL` names one.
+    It overrides the textbook methods where ranks differ from one process, and adds nothing else:
+    `__init__` starts every rank from rank 0's networks and makes the running statistics ones the
+    ranks pool; `steps_per_update` counts the steps of every rank; `collect_rollout` pools the
+    statistics after each rollout; `normalize_advantages` standardises over the combined batch;
+    `compute_gradients` averages the gradients; `update_policy` reports means over the ranks.
     """
-    requested = os.environ.get("MUJOCO_GL")
-    candidates = [requested] if requested else ["egl", "osmesa", "glfw"]
-    for backend in candidates:
-        try:
-            probe = subprocess.run([sys.executable, "-c", GL_PROBE], env={**os.environ, "MUJOCO_GL": backend},
-                                   capture_output=True, timeout=120)
-        except subprocess.TimeoutExpired:
-            continue
-        if probe.returncode == 0:
-            os.environ["MUJOCO_GL"] = backend
-            return backend
-    if requested and requested.lower() not in GL_PACKAGES:
-        raise ConfigError(f"cannot record {env_id}: MUJOCO_GL={requested} is none of {', '.join(GL_PACKAGES)}")
-    if requested:
-        raise ConfigError(f"cannot record {env_id}: MuJoCo cannot render with MUJOCO_GL={requested} here; "
-                          f"install {GL_PACKAGES[requested.lower()]}, or unset MUJOCO_GL to try the others")
-    raise ConfigError(f"cannot record {env_id}: MuJoCo found no OpenGL to render with (tried MUJOCO_GL=egl, osmesa, "
-                      f"glfw); install {GL_PACKAGES['egl']} or {GL_PACKAGES['osmesa']}")
 
+    def __init__(self, config: Config, envs, device: torch.device, ranks: Ranks):
+        self.ranks = ranks
+        super().__init__(config, envs, device)
+        ranks.broadcast_parameters(self.policy, self.value)
+        # Each rank sees only its own envs; after every rollout they pool the statistics of what
+        # they saw, so that all of them normalise alike.
+        self.obs_normalizer.stats = SharedRunningMeanStd((envs.spaces.obs_dim,))
+        self.shared_statistics = [self.obs_normalizer.stats]
+        if self.reward_scaler is not None:
+            self.reward_scaler.stats = SharedRunningMeanStd()
+            self.shared_statistics.append(self.reward_scaler.stats)
 
-def uses_mujoco(env_id: str) -> bool:
-    entry_point = gym.spec(env_id).entry_point
-    return isinstance(entry_point, str) and entry_point.startswith("gymnasium.envs.mujoco")
+    @property
+    def steps_per_update(self) -> int:
+        return self.config.batch_size * self.ranks.size
 
+    def collect_rollout(self) -> Rollout:
+        rollout = super().collect_rollout()
+        self.ranks.share_statistics(self.shared_statistics, self.device)
+        return rollout
 
-def open_video(path: Path, frame: np.ndarray, fps: float) -> cv2.VideoWriter:
-    height, width = frame.shape[:2]
-    video = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
-    if not video.isOpened():
-        raise ConfigError(f"OpenCV cannot write {path}")
-    return video
+    def normalize_advantages(self, advantages: torch.Tensor) -> torch.Tensor:
+        r"""`normalize_advantages` with the mean and standard deviation of the combined batch.
 
+        The mean $\mu = S_1 / n$ and the unbiased variance $(S_2 - n \mu^2) / (n - 1)$ come from
+        $S_1 = \sum_i \hat A_i$, $S_2 = \sum_i \hat A_i^2$ and the count $n$, each added over the ranks.
+        """
+        sums = torch.stack([advantages.sum(), advantages.pow(2).sum(),
+                            torch.tensor(float(advantages.numel()), device=advantages.device)])
+        total, squares, count = self.ranks.sum(sums)
+        mean = total / count
+        variance = (squares - count * mean ** 2) / (count - 1)
+        return (advantages - mean) / (variance.clamp(min=0).sqrt() + 1e-8)
 
-def evaluate(config: Config, env_id: str, spaces: EnvSpaces, checkpoint: dict) -> list[float]:
-    """Play `eval_episodes` episodes with the checkpoint's policy; their returns."""
-    device = choose_device(config.device)
-    policy = GaussianPolicy(spaces.obs_dim, spaces.action_dim, config.state_dependent_std).to(device)
-    restore_networks({"policy": policy}, checkpoint, config.eval)
-    policy.eval()
-    normalizer = ObservationNormalizer(spaces.obs_dim, enabled=config.normalize_observations)
-    normalizer.load_state_dict(checkpoint["obs_normalizer"])
-    torch.manual_seed(config.seed)
-    if config.capture_video:
-        # pygame, which draws the classic-control tasks, needs no display or sound card for this.
-        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
-        os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
-    seeds = env_seeds(config.seed + 1_000_003, config.eval_episodes)  # episodes unlike the training ones
-    tasks = [Task(env_id, seed, config.max_episode_steps, render=config.capture_video) for seed in seeds]
-    videos: list[cv2.VideoWriter] = []
-    try:
-        for task in tasks:
-            task.reset()
-        if config.capture_video:
-            video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
-            video_dir.mkdir(parents=True, exist_ok=True)
-            fps = tasks[0].env.metadata.get("render_fps") or 30
-            for index, task in enumerate(tasks):
-                frame = render_frame(task, env_id)
-                videos.append(open_video(video_dir / f"eval-{gym.spec(env_id).name}-episode{index:02d}.mp4", frame, fps))
-                videos[index].write(frame)
-        returns = [0.0] * len(tasks)
-        playing = list(range(len(tasks)))
-        with torch.inference_mode():
-            while playing:
-                obs = torch.from_numpy(normalizer(np.stack([tasks[i].obs for i in playing]))).to(device)
-                mean, std = policy(obs)
-                actions = mean if config.eval_deterministic else sample_actions(mean, std)
-                actions = np.clip(actions.cpu().numpy().astype(np.float64), spaces.action_low, spaces.action_high)
-                still_playing = []
-                for i, action in zip(playing, actions):
-                    step = tasks[i].step(action)
-                    if videos:
-                        videos[i].write(render_frame(tasks[i], env_id))
-                    if step.terminated or step.truncated:
-                        returns[i] = step.episode_return
-                    else:
-                        still_playing.append(i)
-                playing = still_playing
-    finally:
-        for video in videos:
-            video.release()
-        for task in tasks:
-            task.close()
-    if videos:
-        print(f"videos in {video_dir}", file=sys.stderr)
-    return returns
+    def compute_gradients(self, loss: torch.Tensor, parameters: list[nn.Parameter]) -> None:
+        super().compute_gradients(loss, parameters)
+        self.ranks.average_gradients(parameters)
 
-
-def render_frame(task: Task, env_id: str) -> np.ndarray:
-    """The task's frame as OpenCV wants it (BGR), or a `ConfigError` naming what rendering lacks."""
-    try:
-        frame = task.render()
-    except gym.error.DependencyNotInstalled as error:
-        raise ConfigError(f"cannot record {env_id}: {str(error).strip().splitlines()[0]}") from None
-    return cv2.cvtColor(np.ascontiguousarray(frame), cv2.COLOR_RGB2BGR)
-
-
-# ## The command line
-
-
-def parse_config(argv: list[str] | None) -> tuple[Config, dict | None]:
-    """The configuration of this invocation and the checkpoint it names, if any.
-
-    A resumed or evaluated run starts from the checkpoint's hyperparameters; flags given on the
-    command line override them (to extend `--total-timesteps`, say).
-    """
-    given = vars(build_parser().parse_args(argv))
-    checkpoint = None
-    base = {}
-    path = given.get("resume") or given.get("eval")
-    if path is not None and not (given.get("resume") and given.get("eval")):
-        checkpoint = load_checkpoint(path)
-        fields = {f.name for f in dataclasses.fields(Config)}
-        base = {k: v for k, v in checkpoint["config"].items() if k in fields and k not in RUN_OPTIONS}
-    config = Config(**{**base, **given})
-    check_config(config)
-    if config.resume is not None:
-        saved = checkpoint["config"]
-        if saved["num_envs"] * saved["num_steps"] != config.batch_size:
-            raise ConfigError(f"a resumed run keeps its batch of {saved['num_envs'] * saved['num_steps']} "
-                              f"transitions (--num-envs x --num-steps)")
-    return config, checkpoint
-
-
-def main(argv: list[str] | None = None) -> int:
-    prog = "vpg_continuous.py"
-    try:
-        config, checkpoint = parse_config(argv)
-        env_id = resolve_env_id(config.env)
-        if checkpoint is not None and checkpoint["env_id"] != env_id:
-            raise ConfigError(f"checkpoint {config.resume or config.eval} was trained on {checkpoint['env_id']}, "
-                              f"not {env_id}")
-        if config.capture_video and uses_mujoco(env_id):
-            choose_mujoco_gl(env_id)  # before `describe_env` imports MuJoCo
-        spaces = describe_env(env_id)
-        if config.eval is not None:
-            returns = evaluate(config, env_id, spaces, checkpoint)
-            print(f"{env_id}: {len(returns)} episodes, return {np.mean(returns):.1f} ± {np.std(returns):.1f} "
-                  f"(min {min(returns):.1f}, max {max(returns):.1f})")
-            return 0
-        return train(config, env_id, spaces, checkpoint)
-    except ConfigError as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
+    def update_policy(self, rollout: Rollout) -> dict[str, float]:
+        """Part 1's update. What it measured is reported as means over the ranks: for the losses and
+        the KL, means over equal batches, that is the means over the combined batch; for the
+        explained variance, an average. The learning rates are every rank's own and the same."""
+        stats = super().update_policy(rollout)
+        measured = [name for name in stats if name not in SCHEDULED]
+        means = self.ranks.mean(torch.tensor([stats[name] for name in measured], device=self.device))
+        return {**stats, **dict(zip(measured, means.tolist()))}
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Each run is the script itself, through its command line, exactly as a user starts it; this file
 then reads the TensorBoard events the run leaves and reports the return curve (the mean episodic
 return of the episodes that ended in each tenth of the run), the return at the end (the mean of
-the last 20 episodes, the number the script's progress line shows), the SPS and the wall time.
+the last 20 episodes, the number the script's progress line shows), the SPS, the wall time, and
+the seconds spent in each phase of an update (`perf/env_seconds`, `perf/inference_seconds` and
+`perf/update_seconds`, which the script measures around its trainer's methods, not inside them).
 
     python benchmarks/vpg_halfcheetah.py                                   # seed 1, 1M steps
     python benchmarks/vpg_halfcheetah.py --seeds 1 2 3 --json results.json
@@ -29,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def summarise(run_dir: Path, total_timesteps: int, points: int = 10) -> dict:
-    """The return curve, the final return and the speed, read from a run's TensorBoard events."""
+    """The return curve, the final return, the speed and the time of each phase, from a run's TensorBoard events."""
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     events.Reload()
     returns = [(e.step, e.value) for e in events.Scalars("charts/episodic_return")]
@@ -39,8 +41,10 @@ def summarise(run_dir: Path, total_timesteps: int, points: int = 10) -> dict:
         low, high = total_timesteps * (i - 1) / points, total_timesteps * i / points
         window = [value for step, value in returns if low < step <= high]
         curve.append((int(high), float(np.mean(window)) if window else float("nan")))
+    phases = {tag.removeprefix("perf/").removesuffix("_seconds"): float(sum(e.value for e in events.Scalars(tag)))
+              for tag in events.Tags()["scalars"] if tag.startswith("perf/")}
     return {"final_return": float(np.mean([value for _, value in returns[-20:]])), "curve": curve,
-            "episodes": len(returns), "sps": sps[-1]}
+            "episodes": len(returns), "sps": sps[-1], "phase_seconds": phases}
 
 
 def main() -> None:
@@ -66,8 +70,9 @@ def main() -> None:
                   **summarise(run_dir, args.total_timesteps)}
         results.append(result)
         curve = "  ".join(f"{step // 1000}k:{value:.0f}" for step, value in result["curve"])
+        phases = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in result["phase_seconds"].items())
         print(f"seed {seed}: return {result['final_return']:.1f} (last 20 episodes) | {result['sps']:,.0f} SPS | "
-              f"{result['seconds'] / 60:.1f} min | curve {curve}", flush=True)
+              f"{result['seconds'] / 60:.1f} min ({phases}) | curve {curve}", flush=True)
     finals = [result["final_return"] for result in results]
     spread = f" ± {statistics.stdev(finals):.1f}" if len(finals) > 1 else ""
     print(f"{args.env}, {args.total_timesteps:,} steps, {len(finals)} seeds ({args.label}): "

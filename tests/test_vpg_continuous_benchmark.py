@@ -18,4 +18,9 @@ def test_benchmark_reports_the_curve_and_the_speed(tmp_path):
     assert run["episodes"] == 8  # each of 4 envs plays 512 steps: two whole 200-step Pendulum episodes
     assert -16.3 * 200 <= run["final_return"] < 0 and run["sps"] > 0
     assert [step for step, _ in run["curve"]] == [int(2048 * i / 10) for i in range(1, 11)]
+    # The phases of the updates, timed around the trainer's methods: each took some time, and the
+    # envs and the networks together no longer than the run.
+    phases = run["phase_seconds"]
+    assert set(phases) == {"env", "inference", "update"} and min(phases.values()) > 0
+    assert sum(phases.values()) < run["seconds"]
     assert "Pendulum-v1, 2,048 steps, 1 seeds (default): return" in result.stdout

@@ -55,9 +55,10 @@ def test_the_loss_ascends_the_policy_gradient_of_a_known_objective():
         actions = vpg.sample_actions(mean, std)
         rewards = -(actions[:, 0] - 3.0) ** 2
         advantages = rewards - rewards.mean()
-    terms = vpg.vpg_loss(vpg.gaussian_log_prob(mean, std, actions), advantages, torch.zeros(n), torch.zeros(n),
-                         vpg.gaussian_entropy(std), vf_coef=0.5, ent_coef=0.0)
-    terms.loss.backward()
+    log_probs = vpg.gaussian_log_prob(mean, std, actions)
+    terms = vpg.vpg_loss(log_probs, log_probs.detach(), advantages, torch.zeros(n), torch.zeros(n),
+                         vpg.gaussian_entropy(std), vpg.Config(vf_coef=0.5, ent_coef=0.0))
+    terms["loss"].backward()
     # Tolerances of about two standard errors of the estimates (measured over seeds: 0.01 and 0.025).
     assert -mu.grad.item() == pytest.approx(-2 * (1.0 - 3.0), rel=0.01)
     assert -sigma.grad.item() == pytest.approx(-2 * 0.5, rel=0.05)
@@ -69,12 +70,13 @@ def test_loss_terms():
     values = torch.tensor([0.0, 1.0, 2.0], requires_grad=True)
     returns = torch.tensor([1.0, 1.0, 0.0])
     entropy = torch.tensor([1.0, 2.0, 3.0])
-    terms = vpg.vpg_loss(log_probs, advantages, values, returns, entropy, vf_coef=0.5, ent_coef=0.1)
-    assert terms.policy_loss.item() == pytest.approx(-(-1.0 * 1 + -2.0 * -1 + -0.5 * 2) / 3)
-    assert terms.value_loss.item() == pytest.approx((1 + 0 + 4) / 3)
-    assert terms.entropy.item() == pytest.approx(2.0)
-    assert terms.loss.item() == pytest.approx(terms.policy_loss.item() + 0.5 * (5 / 3) - 0.1 * 2.0)
-    terms.loss.backward()
+    terms = vpg.vpg_loss(log_probs, log_probs.detach(), advantages, values, returns, entropy,
+                         vpg.Config(vf_coef=0.5, ent_coef=0.1))
+    assert terms["policy_loss"].item() == pytest.approx(-(-1.0 * 1 + -2.0 * -1 + -0.5 * 2) / 3)
+    assert terms["value_loss"].item() == pytest.approx((1 + 0 + 4) / 3)
+    assert terms["entropy"].item() == pytest.approx(2.0)
+    assert terms["loss"].item() == pytest.approx(terms["policy_loss"].item() + 0.5 * (5 / 3) - 0.1 * 2.0)
+    terms["loss"].backward()
     # d/d log pi_i of -(1/N) sum log pi A is -A_i / N: likelier where the advantage is positive.
     torch.testing.assert_close(log_probs.grad, -advantages / 3)
     torch.testing.assert_close(values.grad, 0.5 * 2 * (values.detach() - returns) / 3)
