@@ -165,10 +165,12 @@ def test_code_keeps_the_line_numbers_of_the_source(tmp_path):
         '''
     page = page_for(tmp_path, source)
     lines = textwrap.dedent(source).lstrip("\n").split("\n")
-    shown = re.findall(r'<span class="line" id="L(\d+)"><a class="ln" href="#L\1" data-n="\1"[^>]*></a>(.*?)</span>\n',
-                       page)
-    assert [int(n) for n, _ in shown] == [3, 6]
-    for number, html_text in shown:
+    shown = re.findall(r'<span class="line" id="L(\d+)"(?: style="--indent:(\d+)")?><a class="ln" href="#L\1" '
+                       r'data-n="\1"[^>]*></a>(.*?)</span>\n', page)
+    assert [int(n) for n, _, _ in shown] == [3, 6]
+    # Each line carries its indentation, which a wrapped line's continuation hangs from.
+    assert [indent for _, indent, _ in shown] == ["", "4"]
+    for number, _, html_text in shown:
         text = re.sub(r"<[^>]+>", "", html_text).replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
         assert text == lines[int(number) - 1]
 
