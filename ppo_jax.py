@@ -21,28 +21,22 @@ python ppo_jax.py --env Breakout                       # real Atari, through wor
 python ppo_jax.py --eval runs/<run>/checkpoint.msgpack
 ```
 
-Atari cannot be traced: the emulator is C++. For `--env Breakout` this script plays the games in
-worker processes exactly as `ppo_atari.py` does, and JAX compiles the two pieces that can be: one
-step of the policy during the rollout, and the whole update (GAE and the epochs of minibatches).
-That path keeps `ppo_atari.py`'s defaults, so the two pages can be compared line by line.
-
 What JAX changes about writing RL, as this page meets it:
 
-* **Purity.** A traced function sees arrays, not values, and runs once, at trace time: a `print`,
-  a global counter or `np.random` inside it would act once, not at every step. All that changes is
-  carried explicitly (the `Runner`), and randomness comes from keys split and passed along, so a
-  run is a function of its key, and resuming it is restoring a pytree.
-* **Loops are scans.** A Python loop is unrolled by the tracer, one copy of its body per turn;
-  `jax.lax.scan` compiles the body once. A scan has no `break`: an update stopped early is a flag
-  in the carry that turns the remaining steps into no-ops.
+* **Purity.** A traced function runs once, at trace time: a `print`, a global counter or
+  `np.random` inside it would act once, not at every step. All that changes is carried explicitly
+  (the `Runner`), and randomness comes from keys split and passed along: a run is a function of its
+  key, and resuming it is restoring a pytree.
+* **Loops are scans.** A Python loop is unrolled by the tracer; `jax.lax.scan` compiles its body
+  once. A scan has no `break`: an update stopped early is a flag that turns the remaining steps
+  into no-ops.
 * **`vmap` batches anything.** One gymnax environment becomes `num_envs` of them, and one training
   run becomes `num_seeds` of them, by the same transformation.
-* **Compile once, for one shape.** The first call compiles (seconds); a new shape compiles again.
-  Hence fixed shapes everywhere: evaluation steps every game, finished or not; the last, shorter
-  chunk of a run skips its extra updates with `lax.cond` instead of compiling a shorter program.
-* **The host is far away.** A compiled run cannot write a TensorBoard event or a checkpoint; the
-  command line runs the same compiled training a chunk (`--checkpoint-every` updates) at a time
-  and does those between chunks.
+* **Compile once, for one shape.** A new shape compiles again, so shapes are fixed everywhere:
+  evaluation steps every game, finished or not; the last, shorter chunk of a run skips its extra
+  updates with `lax.cond` instead of compiling a shorter program.
+* **The host is far away.** A compiled run cannot write a TensorBoard event or a checkpoint: the
+  command line runs it a chunk (`--checkpoint-every` updates) at a time and does those between.
 
 What to expect, measured on this project's 2-core CPU (the README has the commands and the
 figures): CartPole-v1's default run, 500,000 steps of 4 environments x 128 steps, traces and
@@ -52,10 +46,8 @@ agents side by side gain little from `vmap` (sixteen ran at 181,000 steps a seco
 144,000 for one): PureJaxRL's thousands of agents at once are a GPU's game.
 Pendulum-v1 with its preset: four agents between -147 and -159 after 1M steps each.
 Breakout-MinAtar: a return of 7 after 2M steps (its 10M-step preset was not run here). Atari
-Breakout: 294 steps a second, against 677 for `ppo_atari.py` (bfloat16) measured alternately in the
-same session at the same settings; the games and the inference cost the same, and the difference
-is all in the update, which XLA's CPU backend runs slower than PyTorch's oneDNN kernels (2.6 s
-against 0.6 s an iteration).
+Breakout: 294 steps a second, against 677 for `ppo_atari.py` (bfloat16), all the difference in the
+update, which XLA's CPU backend runs slower than PyTorch's oneDNN kernels (see Part 2).
 
 Papers and projects: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); PureJaxRL, the whole run as one JAX program (Lu et al., 2022, "Discovered Policy
@@ -69,20 +61,14 @@ Licence: MIT (see LICENSE in the repository this file comes from); copy it freel
 
 The page in order:
 
-1. **The algorithm**, for one agent, as pure functions:
-   the hyperparameters (`Config`, where each default comes from, and the presets of each kind of
-   environment); the environment (`BatchedEnv`: gymnax, batched with `vmap`); the model (the policy
-   distributions written out, the actor-critics in flax, `make_network`); generalized advantage
-   estimation (`compute_gae` as a reverse scan, `normalize_advantages`); the clipped objective
-   (`ppo_loss`, whose terms are what is logged); the update (`make_update_agent`: epochs of
-   minibatches as two nested scans); and the loop of training (`make_train`: `train(key)` is a
-   whole run as one scan, `jax.vmap(train)` trains many agents, and `train_chunk` runs it a chunk
-   at a time).
-2. **Sampling at speed**: Atari, whose emulator cannot be compiled, through worker processes
-   (`Game`, `Workers`, `AtariTrainer`), feeding the same update.
-3. **Running it for real**: the command line and its validation, the hardware choices, checkpoints,
-   logging and progress, Ctrl-C, the two training runs, evaluation and `main()`.
-4. **More than one device**: the agents of `--num-seeds` spread over devices with `jax.sharding`.
+1. **The algorithm**, for one agent: `Config` and where its defaults come from; the environment
+   (`BatchedEnv`); the policy distributions and the actor-critics (`make_network`); `compute_gae`
+   and `normalize_advantages`; `ppo_loss`; the update (`make_update_agent`, two nested scans); the
+   loop of training (`make_train`: `train(key)` is a whole run, `train_chunk` a part of one).
+2. **Sampling at speed**: Atari through worker processes (`Game`, `Workers`, `AtariTrainer`).
+3. **Running it for real**: the command line, hardware choices, checkpoints, logging, Ctrl-C, the
+   training runs, evaluation, `main()`.
+4. **More than one device**: the agents of `--num-seeds` spread over devices (`jax.sharding`).
 """
 
 from __future__ import annotations
@@ -106,8 +92,7 @@ import traceback
 import typing
 from collections import deque
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from multiprocessing.connection import wait as wait_for_any
+from multiprocessing.connection import Connection, wait as wait_for_any
 from pathlib import Path
 from typing import Any, Callable, Literal, NamedTuple
 
@@ -131,35 +116,29 @@ from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 # ## Part 1: The algorithm
 #
-# PPO for one agent, as pure functions that JAX compiles: the settings, the environment, the model,
-# the advantages, the loss, the update, and the loop of training. A reader who stops at the end of
-# this part has seen all of PPO. The parts after it run these same functions: on Atari (Part 2),
-# from a command line that writes logs and checkpoints (Part 3), and over several devices (Part 4).
+# PPO for one agent, as pure functions that JAX compiles, in the order they run. A reader who stops
+# at the end of this part has seen all of PPO; the parts after it run the same functions on Atari
+# (Part 2), from a command line (Part 3) and over several devices (Part 4).
 #
 # ### Hyperparameters
 #
-# One dataclass holds every setting of a run. The string under each field is its documentation and
-# its `--help` text; the command line is derived from the class, `num_envs` spelled `--num-envs`.
-# The defaults are those of CartPole-v1, the default environment; other kinds of environment start
-# from the presets below the class, and a flag typed on the command line overrides both. Where each
-# default comes from, beside PureJaxRL's CartPole settings (`purejaxrl/ppo.py`), CleanRL's
-# (`cleanrl/ppo.py`, CartPole too) and the PPO paper's Atari settings (Schulman et al., 2017,
-# Table 5):
+# One dataclass holds the settings of the algorithm, each documented by the string under it, which
+# is also its `--help` text. The defaults are CartPole-v1's; other kinds of environment start from
+# presets of their own (Part 3). Where each default comes from, beside PureJaxRL's CartPole settings
+# (`purejaxrl/ppo.py`), CleanRL's (`cleanrl/ppo.py`) and the PPO paper's for Atari (its Table 5):
 #
 # | setting | ours | PureJaxRL | CleanRL | PPO paper | why ours |
 # |---|---|---|---|---|---|
 # | `total_timesteps` | 500,000 | 500,000 | 500,000 | 10M (Atari) | four agents of four seeds all end at 475 or more |
 # | `num_envs` x `num_steps` | 4 x 128 | 4 x 128 | 4 x 128 | 8 x 128 | PureJaxRL's and CleanRL's |
 # | `learning_rate` | 2.5e-4, annealed | 2.5e-4, annealed | 2.5e-4, annealed | 2.5e-4 x $\alpha$ | theirs |
-# | `clip_range` $\epsilon$ | 0.2, annealed | 0.2, constant | 0.2, constant | 0.1 x $\alpha$ | annealed as the paper's $\epsilon$ and baselines' Atari setting are, and as `ppo_atari.py`'s is; PureJaxRL and CleanRL keep it constant |
+# | `clip_range` $\epsilon$ | 0.2, annealed | 0.2, constant | 0.2, constant | 0.1 x $\alpha$ | annealed as the paper's $\epsilon$, baselines' for Atari and `ppo_atari.py`'s are; PureJaxRL and CleanRL keep it constant |
 # | `update_epochs` | 4 | 4 | 4 | 3 | PureJaxRL's and CleanRL's |
 # | `num_minibatches` | 4 (of 128) | 4 | 4 | 4 (of 32 x 8 = 256) | theirs |
-# | `gamma`, `gae_lambda` | 0.99, 0.95 | 0.99, 0.95 | 0.99, 0.95 | 0.99, 0.95 | all agree |
-# | `vf_coef` | 0.5 | 0.5 | 0.5 | 1 | theirs; with the $\frac12$ inside the value loss it weighs the squared error by 0.25, the paper's by 1 |
-# | `ent_coef` | 0.01 | 0.01 | 0.01 | 0.01 | all agree |
-# | `max_grad_norm` | 0.5 | 0.5 | 0.5 | none | baselines' (the paper's code), kept by all three |
-# | Adam's $\epsilon$ | 1e-5 | 1e-5 | 1e-5 | not given | the same |
-# | value clipping | at $\epsilon$ | at 0.2 | at 0.2 | none | the same as theirs, but annealed with $\epsilon$ |
+# | `gamma`, `gae_lambda`, `ent_coef` | 0.99, 0.95, 0.01 | the same | the same | the same | all agree |
+# | `vf_coef` | 0.5 | 0.5 | 0.5 | 1 | theirs; with the $\frac12$ inside the value loss, the squared error weighs 0.25 (the paper's: 1) |
+# | `max_grad_norm`, Adam's $\epsilon$ | 0.5, 1e-5 | 0.5, 1e-5 | 0.5, 1e-5 | none, not given | baselines', kept by all three |
+# | value clipping | at $\epsilon$ | at 0.2 | at 0.2 | none | baselines', and so annealed with $\epsilon$ here |
 #
 # "Annealed" means multiplied by $1 - k/N$ at update $k = 0, 1, \dots, N-1$ of $N$: the full value at
 # the first update, falling linearly to $1/N$ of it at the last (not to 0), in PureJaxRL, CleanRL and
@@ -179,12 +158,10 @@ class Config:
     """Environments each agent plays at once."""
     num_steps: int = 128
     """Steps each environment plays per update; a batch is `num_envs * num_steps` transitions."""
-    num_workers: int = 0
-    """Atari: processes that play the games (0: one per CPU core, at most one per game)."""
     learning_rate: float = 2.5e-4
-    """Adam's learning rate at the start; annealed linearly to 0 over the run."""
+    """Adam's learning rate at the first update; annealed linearly, to 1/N of it at the last of N updates."""
     clip_range: float = 0.2
-    """PPO's clip range epsilon at the start; annealed linearly to 0 over the run."""
+    """PPO's clip range epsilon (of the ratio and of the value) at the first update; annealed as the learning rate."""
     gamma: float = 0.99
     """Discount factor."""
     gae_lambda: float = 0.95
@@ -201,35 +178,8 @@ class Config:
     """Clip the global norm of the gradient to this."""
     target_kl: float | None = None
     """Stop an update early once the approximate KL divergence to the old policy exceeds this."""
-    sticky_actions: float = 0.0
-    """Atari: probability that the emulator repeats the previous action on a frame (0.25: Machado et al.)."""
-    life_loss: bool = True
-    """Atari: end the learning episode when a life is lost (the game goes on)."""
-    noop_max: int = 30
-    """Atari: up to this many no-op frames at the start of each game, a random number of them."""
-    frame_skip: int = 4
-    """Atari: frames each action is repeated for."""
-    max_episode_frames: int = 108_000
-    """Atari: frames after which a game is cut (a truncation): 30 minutes of play at 60 frames a second."""
     seed: int = 1
     """Seeds everything: the agents' keys are split from it, and each Atari game gets a seed derived from it."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where JAX runs (`auto`: a GPU when JAX finds one)."""
-    start_method: Literal["default", "fork", "spawn", "forkserver"] = "default"
-    """Atari: how worker processes are started (`default`: the platform's own)."""
-    run_dir: str | None = None
-    """Where TensorBoard events and checkpoints go (default: runs/<env>__<seed>__<time>)."""
-    checkpoint_every: int = 100
-    """Write checkpoint.msgpack every this many updates (and always at the end and on Ctrl-C)."""
-    resume: str | None = None
-    """Continue training from this checkpoint with its settings; flags given override them (a larger
-    `--total-timesteps` extends the run, and the annealing stretches over the new length)."""
-    eval: str | None = None
-    """Play `eval_episodes` episodes with the policy in this checkpoint (each agent's) and print the return."""
-    eval_episodes: int = 10
-    """Episodes to play with `--eval`."""
-    capture_video: bool = False
-    """Atari: with `--eval`, write each game to an mp4 in <run dir>/videos."""
 
     @property
     def batch_size(self) -> int:
@@ -244,23 +194,6 @@ class Config:
         return self.total_timesteps // self.batch_size
 
 
-# Each kind of environment starts from its own settings; classic control's are the defaults above.
-# Atari's are baselines' (`ppo2`) Atari defaults, which are also `ppo_atari.py`'s: 8 games, a clip
-# range of 0.1 annealed, 10M steps, and otherwise the defaults above. CleanRL's `ppo_atari.py` has
-# the same numbers but keeps its clip range constant; the PPO paper's Table 5 has 3 epochs and a
-# value coefficient of 1. MinAtar's follow PureJaxRL's scale of a batch (64 environments) and have
-# not been tuned. Pendulum's were found here, in the style of rl-zoo's (a short discount, large
-# batches, ten epochs, no entropy bonus): with them four agents reached returns between -147 and
-# -159 in 1M steps each (a random policy scores about -1,200).
-PRESETS: dict[str, dict[str, Any]] = {
-    "classic control": {},
-    "continuous control": dict(total_timesteps=1_000_000, num_envs=16, num_steps=256, num_minibatches=32,
-                               update_epochs=10, learning_rate=1e-3, gamma=0.95, ent_coef=0.0),
-    "MinAtar": dict(total_timesteps=10_000_000, num_envs=64, num_minibatches=8, learning_rate=5e-4),
-    "Atari": dict(total_timesteps=10_000_000, num_envs=8, clip_range=0.1),
-}
-
-
 # ### The environment
 #
 # A gymnax environment is a pair of pure functions, `reset(key, params) -> (obs, state)` and
@@ -273,19 +206,22 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 class BatchedEnv:
-    """`num_envs` copies of a gymnax environment, stepped together, with the action space's facts.
+    """`num_envs` copies of a gymnax environment, stepped together, with the facts the agent needs.
 
+    The shape of an observation and the number of actions (or, for continuous actions, their
+    dimension) are read from the environment's spaces here, and nowhere written out again.
     Continuous actions are clipped to the action space's bounds on their way to the environment;
     the agent keeps the unclipped sample, whose log-probability is the one its policy assigned.
     """
 
     def __init__(self, env_id: str, num_envs: int):
-        # Imported here, not at the top: importing gymnax builds arrays, which starts JAX's backend
-        # and its threads, and an Atari run must fork its workers before that happens.
+        # Imported here, not at the top: importing gymnax starts JAX, and an Atari run must start
+        # its worker processes before JAX starts (Part 2).
         import gymnax
 
         self.env, self.params = gymnax.make(env_id)
         self.num_envs = num_envs
+        self.obs_shape = tuple(self.env.observation_space(self.params).shape)
         space = self.env.action_space(self.params)
         self.continuous = isinstance(space, gymnax.environments.spaces.Box)
         self.action_dim = int(np.prod(space.shape)) if self.continuous else int(space.n)
@@ -410,7 +346,8 @@ class MLPActorCritic(nn.Module):
 class MinAtarActorCritic(nn.Module):
     """For MinAtar's 10 x 10 grids of 0/1 channels: the network of the MinAtar paper, shared by two heads.
 
-    One 3 x 3 convolution of 16 filters and a 128-unit layer (Young and Tian, 2019).
+    One 3 x 3 convolution of 16 filters and a 128-unit layer (Young and Tian, 2019). `Convolution`
+    is flax's `nn.Conv` without padding, computed as a matrix product (see Hardware choices, Part 3).
     """
 
     n_actions: int
@@ -422,8 +359,9 @@ class MinAtarActorCritic(nn.Module):
         return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
 
 
-def make_network(family: str, env: BatchedEnv) -> nn.Module:
-    if family == "MinAtar":
+def make_network(env: BatchedEnv) -> nn.Module:
+    """The actor-critic for `env`: the CNN for grids of channels (MinAtar's), the MLP for vectors."""
+    if len(env.obs_shape) == 3:
         return MinAtarActorCritic(env.action_dim)
     return MLPActorCritic(env.action_dim, continuous=env.continuous)
 
@@ -481,32 +419,29 @@ def compute_gae(rewards: jax.Array, values: jax.Array, next_values: jax.Array, t
     return advantages, advantages + values
 
 
+def normalize_advantages(advantages: jax.Array) -> jax.Array:
+    r"""The advantages of a minibatch, shifted and scaled to mean 0 and standard deviation 1:
+
+    $$\hat A_t \leftarrow rac{\hat A_t - \mathrm{mean}(\hat A)}{\mathrm{std}(\hat A) + 10^{-8}}.$$
+
+    The gradient's scale then no longer depends on the rewards', and about half the actions of a
+    minibatch are pushed up, half down. Per minibatch, as in baselines, CleanRL and PureJaxRL.
+    """
+    return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+
+
 # ### The clipped objective
 #
 # A policy gradient step is only accurate near the policy that collected the data. PPO takes many
 # minibatch steps on one batch and keeps the new policy near the old one by taking away any gain
 # from moving the probability ratio $r_t(\theta) = \pi_\theta(a_t|s_t) / \pi_{\theta_\text{old}}(a_t|s_t)$
 # outside $[1 - \epsilon, 1 + \epsilon]$.
-#
-# The loss returns its terms by name, in a dictionary: the total under `loss`, and beside it every
-# term that makes it up or describes it. The update averages each over the minibatch steps and the
-# command line logs each but the total as `losses/<name>`, so a new term (a KL penalty, say) is one
-# more entry here, with its coefficient one more field of `Config`, and nothing else changes.
-
-
-class LossTerms(NamedTuple):
-    loss: jax.Array
-    policy_loss: jax.Array
-    value_loss: jax.Array
-    entropy: jax.Array
-    approx_kl: jax.Array
-    clipfrac: jax.Array
 
 
 def ppo_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.Array, values: jax.Array,
              old_values: jax.Array, returns: jax.Array, entropy: jax.Array, clip_range: float | jax.Array,
-             vf_coef: float, ent_coef: float) -> LossTerms:
-    r"""PPO's loss on a minibatch (advantages already normalised), to be minimised.
+             config: Config) -> dict[str, jax.Array]:
+    r"""PPO's loss on a minibatch (advantages already normalised): its terms by name, the total under `loss`.
 
     The policy term is the negated clipped surrogate of Schulman et al. (2017, eq. 7):
 
@@ -523,13 +458,17 @@ def ppo_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.Arr
     $$L^V = \tfrac12 \mathbb{E}_t \max\left((V - R)^2,\;
       (V_\text{old} + \mathrm{clip}(V - V_\text{old}, -\epsilon, \epsilon) - R)^2\right).$$
 
-    The entropy bonus $S$ keeps the policy from collapsing early. In all,
-    $L = L^\text{CLIP} + c_V L^V - c_S S$.
+    The entropy bonus $S$ keeps the policy from collapsing early. In all, with the coefficients
+    $c_V$ and $c_S$ of `config`, $L = L^\text{CLIP} + c_V L^V - c_S S$.
 
     `approx_kl` estimates $\mathrm{KL}(\pi_\text{old} \,\|\, \pi_\theta)$ with
     $\mathbb{E}[(r - 1) - \log r]$, unbiased and never negative (Schulman, "Approximating KL
     divergence", 2020); `clipfrac` is the share of samples whose ratio is outside the clip. Both are
     diagnostics: `stop_gradient` keeps them out of the derivative.
+
+    The terms come back by name: the update averages each over its minibatch steps and the command
+    line logs each but the total as `losses/<name>`. A new term (a KL penalty, say) is one more entry
+    here, its coefficient one more field of `Config`, and nothing else changes.
     """
     log_ratio = log_probs - old_log_probs
     ratio = jnp.exp(log_ratio)
@@ -541,11 +480,12 @@ def ppo_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.Arr
     value_loss = 0.5 * jnp.maximum((values - returns) ** 2, (clipped_values - returns) ** 2).mean()
 
     entropy = entropy.mean()
-    loss = policy_loss + vf_coef * value_loss - ent_coef * entropy
+    loss = policy_loss + config.vf_coef * value_loss - config.ent_coef * entropy
     ratio, log_ratio = jax.lax.stop_gradient((ratio, log_ratio))
     approx_kl = ((ratio - 1.0) - log_ratio).mean()
     clipfrac = (jnp.abs(ratio - 1.0) > clip_range).astype(jnp.float32).mean()
-    return LossTerms(loss, policy_loss, value_loss, entropy, approx_kl, clipfrac)
+    return dict(loss=loss, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy, approx_kl=approx_kl,
+                clipfrac=clipfrac)
 
 
 def linear_schedule(initial: float, update: int | jax.Array, num_updates: int) -> jax.Array:
@@ -615,19 +555,16 @@ def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformatio
 
     The learning rate and the clip range are arguments, computed by the caller from its schedule:
     the compiled update then does not depend on the length of the run, and a resumed run that
-    extends it reuses the same program.
+    extends it reuses the same program. `metrics["losses"]` holds each term of `ppo_loss` but the
+    total, averaged over the minibatch steps taken, and the value function's explained variance.
     """
 
-    def loss_fn(params: Any, minibatch: Batch, clip_range: jax.Array) -> tuple[jax.Array, LossTerms]:
+    def loss_fn(params: Any, minibatch: Batch, clip_range: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         policy, values = network.apply(params, minibatch.obs)
-        # Normalise advantages per minibatch: the gradient's scale no longer depends on the rewards',
-        # and about half the actions are pushed up, half down.
-        advantages = minibatch.advantages
-        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-        terms = ppo_loss(policy.log_prob(minibatch.actions), minibatch.log_probs, advantages, values,
-                         minibatch.values, minibatch.returns, policy.entropy(), clip_range,
-                         config.vf_coef, config.ent_coef)
-        return terms.loss, terms
+        terms = ppo_loss(policy.log_prob(minibatch.actions), minibatch.log_probs,
+                         normalize_advantages(minibatch.advantages), values, minibatch.values, minibatch.returns,
+                         policy.entropy(), clip_range, config)
+        return terms["loss"], terms
 
     def update_agent(agent: Agent, rollout: Rollout, key: jax.Array, learning_rate: jax.Array,
                      clip_range: jax.Array) -> tuple[Agent, dict]:
@@ -641,7 +578,7 @@ def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformatio
             minibatch = jax.tree.map(lambda x: x[indices], batch)
             (_, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(agent.params, minibatch, clip_range)
             if config.target_kl is not None:
-                stopped = stopped | (terms.approx_kl > config.target_kl)
+                stopped = stopped | (terms["approx_kl"] > config.target_kl)
             broken = broken | ~jnp.isfinite(optax.tree.norm(grads))
             take = ~(stopped | broken)
             direction, opt_state = optimizer.update(grads, agent.opt_state)
@@ -659,11 +596,11 @@ def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformatio
                                                                  jax.random.split(key, config.update_epochs))
         # Means over the minibatch steps taken, as the PyTorch loop averages the steps it ran.
         count = taken.sum()
-        metrics = {name: jnp.where(count > 0, jnp.where(taken, value, 0.0).sum() / count, jnp.nan)
-                   for name, value in terms._asdict().items() if name != "loss"}
-        metrics.update(explained_variance=explained_variance(batch.values, batch.returns),
-                       learning_rate=learning_rate, clip_range=clip_range, stopped_early=stopped, nonfinite=broken)
-        return agent, metrics
+        losses = {name: jnp.where(count > 0, jnp.where(taken, value, 0.0).sum() / count, jnp.nan)
+                  for name, value in terms.items() if name != "loss"}
+        losses["explained_variance"] = explained_variance(batch.values, batch.returns)
+        return agent, dict(losses=losses, learning_rate=learning_rate, clip_range=clip_range, stopped_early=stopped,
+                           nonfinite=broken)
 
     return update_agent
 
@@ -700,33 +637,32 @@ class Runner(NamedTuple):
 
 
 class Training(NamedTuple):
+    """The pure functions of one agent's training run (see `make_train`), and what they train with."""
+
     init: Callable[[jax.Array], Runner]
     collect: Callable[[Runner], tuple[Runner, Rollout, tuple]]
     update: Callable[[Runner], tuple[Runner, dict]]
-    num_updates: int
+    train_chunk: Callable[..., tuple[Runner, dict]]
+    train: Callable[[jax.Array], tuple[Runner, dict]]
     network: nn.Module
     env: BatchedEnv
 
 
-def build_training(config: Config, env_id: str | None = None) -> Training:
-    """The pure functions of a training run on the gymnax environment `env_id` (default: `config.env`)."""
-    env_id, family = resolve_env(env_id or config.env)
-    env = BatchedEnv(env_id, config.num_envs)
-    network = make_network(family, env)
+def make_train(config: Config, env_id: str | None = None) -> Training:
+    """The training run of one agent on the gymnax environment `env_id` (default: `config.env`), as pure functions.
+
+    `train(key) -> (runner, metrics)` is the whole run, its metrics with a leading `[num_updates]`
+    axis; `jax.jit(jax.vmap(train))(jax.random.split(key, n))` trains `n` agents, one per key, in one
+    compiled program. `train_chunk(runner, count, length)` is a part of it, `count` updates.
+    """
+    env = BatchedEnv(env_id or config.env, config.num_envs)
+    network = make_network(env)
     optimizer = make_optimizer(config)
     update_agent = make_update_agent(network, optimizer, config)
-
-    # Under `vmap` over seeds, `network.init` would factorise a batch of matrices at once for the
-    # orthogonal initialisation, and jaxlib 0.10.2's batched QR on the CPU can deadlock: its LAPACK
-    # kernel waits for sub-tasks on the thread pool that its own calls fill. On this project's
-    # 2-core CPU, initialising 16 CartPole agents hung within its first three calls in each of two
-    # tries, and so did a 16-seed benchmark. On the CPU, `sequential_vmap` makes `vmap` run it as a
-    # loop over the seeds, one matrix at a time; it runs once per training run, so the loop costs
-    # nothing. Other backends keep the batched factorisation: a loop over a seed axis that is split
-    # over devices would first gather the keys onto every device.
-    init_params = network.init
-    if jax.default_backend() == "cpu":
-        init_params = jax.custom_batching.sequential_vmap(network.init)
+    # Under `vmap` over agents, each agent's network is initialised on its own, one after another,
+    # from the weights it would have alone, rather than all in one batched computation (why: see
+    # Hardware choices, Part 3).
+    init_params = jax.custom_batching.sequential_vmap(network.init)
 
     def init(key: jax.Array) -> Runner:
         key, network_key, env_key = jax.random.split(key, 3)
@@ -766,6 +702,7 @@ def build_training(config: Config, env_id: str | None = None) -> Training:
         return runner, rollout, episodes
 
     def update(runner: Runner) -> tuple[Runner, dict]:
+        """One iteration of PPO: a rollout, then `update_agent` on it, at this update's learning rate and clip range."""
         runner, rollout, (ended, returns, lengths) = collect(runner)
         key, update_key = jax.random.split(runner.key)
         agent, metrics = update_agent(runner.agent, rollout, update_key,
@@ -778,55 +715,31 @@ def build_training(config: Config, env_id: str | None = None) -> Training:
                        episodes=episodes)
         return runner._replace(agent=agent, key=key, update=runner.update + 1), metrics
 
-    return Training(init, collect, update, config.num_updates, network, env)
+    def skip(runner: Runner) -> tuple[Runner, dict]:
+        """No update: the runner as it was, and metrics of zeros shaped as `update`'s."""
+        metrics = jax.eval_shape(update, runner)[1]
+        return runner, jax.tree.map(lambda shape: jnp.zeros(shape.shape, shape.dtype), metrics)
 
+    def train_chunk(runner: Runner, count: jax.Array | int, length: int) -> tuple[Runner, dict]:
+        """`count` more updates (`count <= length`), as one scan of `length` steps; metrics `[length]`.
 
-def make_train(config: Config) -> Callable[[jax.Array], tuple[Runner, dict]]:
-    """`train(key) -> (runner, metrics)`: a whole training run, pure. Metrics have a leading `[num_updates]` axis.
+        A compiled program has fixed shapes, a scan a fixed length. So that a run cut into chunks
+        of `length` updates compiles one program, its last, shorter chunk included, the steps past
+        `count` are skipped with `lax.cond`: they leave the runner as it was and report zeros. Under
+        `vmap` over agents, `count` is the same for all (`in_axes=None`): a condition that differed
+        between agents would be batched into a `select`, which computes both branches.
+        """
 
-    `jax.jit(jax.vmap(train))(jax.random.split(key, n))` trains `n` agents in one compiled program;
-    with the keys placed over several devices first, `jax.device_put(keys, split_over_seeds(mesh))`,
-    the same call trains each device's share of them there (see the next section). On CPU devices
-    the initialisation, a loop over the seeds there (see `build_training`), first gathers the keys
-    onto every device; the command line initialises on one device and places the runners instead.
-    """
-    training = build_training(config)
+        def step(runner: Runner, index: jax.Array) -> tuple[Runner, dict]:
+            return jax.lax.cond(index < count, update, skip, runner)
+
+        return jax.lax.scan(step, runner, jnp.arange(length))
 
     def train(key: jax.Array) -> tuple[Runner, dict]:
-        return jax.lax.scan(lambda runner, _: training.update(runner), training.init(key),
-                            length=training.num_updates)
+        """The whole training run of one agent: `init`, then every update, as one chunk."""
+        return train_chunk(init(key), config.num_updates, config.num_updates)
 
-    return train
-
-
-def make_run_updates(training: Training, length: int) -> Callable:
-    """`run_updates(runners, count)`: `count <= length` more updates of every agent, and their metrics.
-
-    This is what the command line runs, a piece of the run at a time, so that it can report
-    progress, write TensorBoard events and checkpoints between pieces. The scan's length is fixed
-    at `length` and the updates past `count` are skipped with `lax.cond`, so that the last, shorter
-    piece reuses the compiled program instead of compiling another. (`count` is the same for every
-    agent, outside the `vmap`: a condition that differed between agents would be batched into a
-    `select`, which computes both branches.)
-
-    A compiled program can also call back into Python as it runs (`jax.debug.callback`), to print
-    progress after every update, say. We report between pieces instead: JAX refuses to store a
-    program with a host callback in its persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`),
-    which otherwise spares a second run of the same configuration its compilation.
-    """
-    update_all = jax.vmap(training.update)
-
-    def skip(runners: Runner) -> tuple[Runner, dict]:
-        shapes = jax.eval_shape(update_all, runners)[1]
-        return runners, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-    def run_updates(runners: Runner, count: jax.Array) -> tuple[Runner, dict]:
-        def body(runners: Runner, index: jax.Array) -> tuple[Runner, dict]:
-            return jax.lax.cond(index < count, update_all, skip, runners)
-
-        return jax.lax.scan(body, runners, jnp.arange(length))
-
-    return run_updates
+    return Training(init, collect, update, train_chunk, train, network, env)
 
 
 # ## Part 2: Sampling at speed
@@ -836,6 +749,11 @@ def make_run_updates(training: Training, length: int) -> Callable:
 # emulator is C++ and cannot be traced. For `--env Breakout` the games are played in worker
 # processes, several games each, as `ppo_atari.py` plays them, and the rollout is a Python loop
 # around a compiled step of the policy; the update is Part 1's `update_agent`, compiled on its own.
+# Measured on this project's 2-core CPU at the same settings, alternately in one session, this path
+# ran Breakout at 294 steps a second against 677 for `ppo_atari.py` (bfloat16): the games and the
+# inference cost the same, and the difference is all in the update, which XLA's CPU backend runs
+# slower than PyTorch's oneDNN kernels (2.6 s against 0.6 s an iteration).
+# The Atari preset is `ppo_atari.py`'s defaults, so that the two pages can be compared line by line.
 # This path is to be replaced by ale-py's vector environment stepped from inside the compiled
 # program (its XLA interface), as gymnax's are; until then it is kept as it is, working and tested.
 #
@@ -844,7 +762,22 @@ def make_run_updates(training: Training, length: int) -> Callable:
 # The emulator shows 210 x 160 colour frames at 60 per second and knows nothing of learning. `Game`
 # turns it into what the DQN paper (Mnih et al., 2015) fed its network: an action every 4th frame,
 # the last 4 observations stacked, each grey and shrunk to 84 x 84, rewards clipped to their sign.
-# It is `ppo_atari.py`'s wrapper, and the tests check that the two produce the same frames.
+# It is `ppo_atari.py`'s wrapper, and the tests check that the two produce the same frames. Its
+# settings, the protocol of the Atari experiments, extend `Config`.
+
+
+@dataclass
+class AtariConfig(Config):
+    sticky_actions: float = 0.0
+    """Atari: probability that the emulator repeats the previous action on a frame (0.25: Machado et al.)."""
+    life_loss: bool = True
+    """Atari: end the learning episode when a life is lost (the game goes on)."""
+    noop_max: int = 30
+    """Atari: up to this many no-op frames at the start of each game, a random number of them."""
+    frame_skip: int = 4
+    """Atari: frames each action is repeated for."""
+    max_episode_frames: int = 108_000
+    """Atari: frames after which a game is cut (a truncation): 30 minutes of play at 60 frames a second."""
 
 
 def game_name(env_id: str) -> str:
@@ -1226,7 +1159,7 @@ class NatureActorCritic(nn.Module):
         return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
 
 
-def make_atari_functions(network: nn.Module, optimizer: optax.GradientTransformation, config: Config) -> tuple:
+def make_atari_functions(network: nn.Module, optimizer: optax.GradientTransformation, config: AtariConfig) -> tuple:
     """`act(params, obs, key)`, `value_of(params, obs)` and `update_agent`, each jitted."""
 
     @jax.jit
@@ -1246,7 +1179,7 @@ def make_atari_functions(network: nn.Module, optimizer: optax.GradientTransforma
 class AtariTrainer:
     """The host side of an Atari run: the workers, the agent, the rollout storage, the counters."""
 
-    def __init__(self, config: Config, envs: Workers, key: jax.Array):
+    def __init__(self, config: AtariConfig, envs: Workers, key: jax.Array):
         self.config = config
         self.envs = envs
         self.network = NatureActorCritic(envs.n_actions)
@@ -1320,7 +1253,7 @@ class AtariTrainer:
         agent, metrics = self.update_agent(self.agent, jax.tree.map(jnp.asarray, rollout), update_key,
                                            linear_schedule(self.config.learning_rate, self.update, self.config.num_updates),
                                            linear_schedule(self.config.clip_range, self.update, self.config.num_updates))
-        metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
+        metrics = jax.tree.map(float, jax.device_get(metrics))
         if metrics["nonfinite"]:
             raise NonFiniteError(f"the loss or its gradient became non-finite at update {self.update + 1}; "
                                  "no step was taken from there on")
@@ -1339,10 +1272,54 @@ class AtariTrainer:
 #
 # ### The command line
 #
-# The settings of one invocation rather than of the agent: a resumed run takes its hyperparameters
-# from the checkpoint, but these from the command line (or their defaults).
-RUN_OPTIONS = {"num_workers", "device", "start_method", "run_dir", "resume", "eval", "eval_episodes",
-               "capture_video", "checkpoint_every"}
+# The command line sets the fields of `Config` (and of Part 2's `AtariConfig`) and those of one
+# invocation: where the run's files go, how often it writes a checkpoint, which checkpoint to resume
+# or evaluate, where JAX runs and how Atari's workers start. `RunConfig` adds the second kind to the
+# first. A resumed run takes its hyperparameters from the checkpoint, but these from the command line
+# (or their defaults).
+
+
+@dataclass
+class RunConfig(AtariConfig):
+    num_workers: int = 0
+    """Atari: processes that play the games (0: one per CPU core, at most one per game)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where JAX runs (`auto`: a GPU when JAX finds one)."""
+    start_method: Literal["default", "fork", "spawn", "forkserver"] = "default"
+    """Atari: how worker processes are started (`default`: the platform's own)."""
+    run_dir: str | None = None
+    """Where TensorBoard events and checkpoints go (default: runs/<env>__<seed>__<time>)."""
+    checkpoint_every: int = 100
+    """Write checkpoint.msgpack every this many updates (and always at the end and on Ctrl-C)."""
+    resume: str | None = None
+    """Continue training from this checkpoint with its settings; flags given override them (a larger
+    `--total-timesteps` extends the run, and the annealing stretches over the new length)."""
+    eval: str | None = None
+    """Play `eval_episodes` episodes with the policy in this checkpoint (each agent's) and print the return."""
+    eval_episodes: int = 10
+    """Episodes to play with `--eval`."""
+    capture_video: bool = False
+    """Atari: with `--eval`, write each game to an mp4 in <run dir>/videos."""
+
+
+RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.name for field in dataclasses.fields(AtariConfig)}
+
+
+# Each kind of environment starts from its own settings; classic control's are the defaults above.
+# Atari's are baselines' (`ppo2`) Atari defaults, which are also `ppo_atari.py`'s: 8 games, a clip
+# range of 0.1 annealed, 10M steps, and otherwise the defaults above. CleanRL's `ppo_atari.py` has
+# the same numbers but keeps its clip range constant; the PPO paper's Table 5 has 3 epochs and a
+# value coefficient of 1. MinAtar's follow PureJaxRL's scale of a batch (64 environments) and have
+# not been tuned. Pendulum's were found here, in the style of rl-zoo's (a short discount, large
+# batches, ten epochs, no entropy bonus): with them four agents reached returns between -147 and
+# -159 in 1M steps each (a random policy scores about -1,200).
+PRESETS: dict[str, dict[str, Any]] = {
+    "classic control": {},
+    "continuous control": dict(total_timesteps=1_000_000, num_envs=16, num_steps=256, num_minibatches=32,
+                               update_epochs=10, learning_rate=1e-3, gamma=0.95, ent_coef=0.0),
+    "MinAtar": dict(total_timesteps=10_000_000, num_envs=64, num_minibatches=8, learning_rate=5e-4),
+    "Atari": dict(total_timesteps=10_000_000, num_envs=8, clip_range=0.1),
+}
 
 
 class ConfigError(Exception):
@@ -1353,17 +1330,20 @@ PROG = Path(__file__).name
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The string literal under each field of a dataclass, read from its source."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    body = ast.parse(source).body[0].body
+    """The string literal under each field of a dataclass and of the dataclasses it extends, read from their source."""
     docs = {}
-    for node, following in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
-                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
-            docs[node.target.id] = " ".join(following.value.value.split())
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body[0].body
+        for node, following in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
+                    and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
+                docs[node.target.id] = " ".join(following.value.value.split())
     return docs
 
 
@@ -1389,7 +1369,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line, one flag per field of `Config`.
+    """The command line, one flag per field of `RunConfig` (and so of `Config`).
 
     Flags the user did not type are absent from the parsed namespace (`argparse.SUPPRESS`), so the
     presets and a resumed run's checkpoint can tell an explicit `--total-timesteps` from the default.
@@ -1397,9 +1377,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog=PROG,
                            description="PPO in JAX, annotated. See the module docstring.",
                            argument_default=argparse.SUPPRESS)
-    docs = field_docs(Config)
-    hints = typing.get_type_hints(Config)
-    for field in dataclasses.fields(Config):
+    docs = field_docs(RunConfig)
+    hints = typing.get_type_hints(RunConfig)
+    for field in dataclasses.fields(RunConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = hints[field.name]
         presets = "".join(f"; {family}: {preset[field.name]}" for family, preset in PRESETS.items()
@@ -1418,7 +1398,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_config(config: Config, family: str) -> None:
+def check_config(config: RunConfig, family: str) -> None:
     """Refuse settings that cannot work, before any process starts or anything compiles."""
     positive = ["num_seeds", "total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs",
                 "frame_skip", "max_episode_frames", "checkpoint_every", "eval_episodes"]
@@ -1496,7 +1476,7 @@ def resolve_env(name: str) -> tuple[str, str]:
     raise ConfigError(f"unknown environment {name!r}{hint}")
 
 
-def parse_config(argv: list[str] | None) -> tuple[Config, dict | None, str, str]:
+def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, str]:
     """The configuration of this invocation, the checkpoint it names (if any), and the environment's id and family.
 
     A new run starts from its environment's preset; a resumed or evaluated run from the
@@ -1508,12 +1488,12 @@ def parse_config(argv: list[str] | None) -> tuple[Config, dict | None, str, str]
     path = given.get("resume") or given.get("eval")
     if path is not None and not (given.get("resume") and given.get("eval")):
         checkpoint = load_checkpoint(path)
-        fields = {f.name for f in dataclasses.fields(Config)}
+        fields = {f.name for f in dataclasses.fields(RunConfig)}
         base = {k: v for k, v in checkpoint["config"].items() if k in fields and k not in RUN_OPTIONS}
-    env_id, family = resolve_env(given.get("env", base.get("env", Config.env)))
+    env_id, family = resolve_env(given.get("env", base.get("env", RunConfig.env)))
     if checkpoint is None:
         base = PRESETS[family]
-    config = Config(**{**base, **given})
+    config = RunConfig(**{**base, **given})
     check_config(config, family)
     if checkpoint is not None:
         trained_on, asked = checkpoint["env_id"], env_id
@@ -1546,8 +1526,9 @@ def parse_config(argv: list[str] | None) -> tuple[Config, dict | None, str, str]
 #   the CPU can deadlock: its LAPACK kernel waits for sub-tasks on the thread pool that its own
 #   calls fill. On this project's 2-core CPU, initialising 16 CartPole agents hung within its first
 #   three calls in each of two tries, and so did a 16-seed benchmark. `make_train` therefore
-#   initialises the agents of a `vmap` in a loop, one matrix at a time (`sequential_vmap`); it runs
-#   once per training run, so the loop costs nothing.
+#   initialises the agents of a `vmap` in a loop, one matrix at a time (`sequential_vmap`). It runs
+#   once per training run, so the loop costs nothing, and each agent starts from the very weights it
+#   would start from alone (a test checks it).
 #
 # `choose_device` points JAX at the device asked for, before it computes anything.
 
@@ -1573,13 +1554,10 @@ def patches(x: jax.Array, kernel: int, stride: int) -> jax.Array:
 class Convolution(nn.Module):
     r"""A convolution without padding, written as a dense layer applied to every window of the input.
 
-    This is the same function as `nn.Conv(features, (kernel, kernel), strides=stride, padding="VALID")`,
-    computed as a matrix product over `patches`. The reason is a pitfall of XLA's CPU backend: inside
-    a loop, and our update is two nested scans, it computes a convolution's gradient with a generic,
-    unoptimised kernel (jax-ml/jax issue 12868). Measured here, one gradient step of the Nature CNN on
-    256 frames took 34 s inside a scan against 0.7 s outside it; as a matrix product it takes 0.5 s
-    in both. The weights are initialised like `dense`'s, gain $\sqrt 2$; `kernel` must be a multiple
-    of `stride`, as it is in both networks below.
+    The same function as `nn.Conv(features, (kernel, kernel), strides=stride, padding="VALID")`,
+    computed as a matrix product over `patches` (why: see above). The weights are initialised like
+    `dense`'s, gain $\sqrt 2$; `kernel` must be a multiple of `stride`, as it is in both networks
+    that use it, Part 1's MinAtar CNN and Part 2's Nature CNN.
     """
 
     features: int
@@ -1700,15 +1678,12 @@ class EventWriter:
         self.writer.close()
 
 
-LOSS_NAMES = ["policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance"]
-
-
 def log_update(writer: EventWriter, metrics: dict[str, float], step: int) -> None:
-    """The schedules and losses of one update."""
+    """The schedules of one update, and every term of its loss that `update_agent` averaged, as `losses/<name>`."""
     writer.add_scalar("charts/learning_rate", metrics["learning_rate"], step)
     writer.add_scalar("charts/clip_range", metrics["clip_range"], step)
-    for name in LOSS_NAMES:
-        writer.add_scalar(f"losses/{name}", metrics[name], step)
+    for name, value in metrics["losses"].items():
+        writer.add_scalar(f"losses/{name}", value, step)
 
 
 def log_episodes(writer: EventWriter, episodic_return: float, episodic_length: float, step: int) -> None:
@@ -1763,20 +1738,24 @@ def hyperparameter_table(config: Config, env_id: str) -> str:
 
 # ### Ctrl-C and SIGTERM
 #
-# A compiled chunk of the run cannot be interrupted halfway: a stop asked for while one runs takes
-# effect when it returns to Python (`--checkpoint-every` sets how long a chunk is).
+# The first Ctrl-C (or SIGTERM) asks the run to stop at the next safe point, with a checkpoint; a
+# second one aborts without it. This script runs in one process, so a second signal is always a
+# second request (`same_within=0.0`). Neither can interrupt a compiled chunk of the run halfway: both
+# take effect when it returns to Python (`--checkpoint-every` sets how long a chunk is).
 
 
 class StopRequest:
     """Turns Ctrl-C (SIGINT) and SIGTERM into a request to stop at the next safe point.
 
-    Training then saves a checkpoint and exits. A second Ctrl-C interrupts without one; neither
-    can interrupt a compiled program halfway, so both take effect once the piece of the run under
-    way returns to Python (`--checkpoint-every` sets how long a piece is).
+    Training then saves a checkpoint and exits. A second signal aborts at once, unless it comes
+    within `same_within` seconds of the first: under torchrun a terminal's Ctrl-C reaches each rank
+    twice, from the terminal and passed on by torchrun, and the two are one request.
     """
 
-    def __init__(self):
+    def __init__(self, announce: bool = True, same_within: float = 0.0):
         self.signal: int | None = None
+        self.received = 0.0
+        self.announce, self.same_within = announce, same_within
 
     def __call__(self) -> bool:
         return self.signal is not None
@@ -1786,11 +1765,13 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame) -> None:
-        self.signal = signum
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
-              "(Ctrl-C again to abort without one)", file=sys.stderr, flush=True)
+        if self.signal is None:
+            self.signal, self.received = signum, time.monotonic()
+            if self.announce:
+                print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
+                      "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+        elif time.monotonic() - self.received >= self.same_within:
+            raise KeyboardInterrupt
 
     def __exit__(self, *exc_info) -> None:
         for sig, handler in self.previous.items():
@@ -1806,7 +1787,7 @@ class StopRequest:
 class Run:
     """The run directory, its TensorBoard writers and checkpoint path, and how a run ends."""
 
-    def __init__(self, config: Config, env_id: str, checkpoint: dict | None, seed_writers: int = 0):
+    def __init__(self, config: RunConfig, env_id: str, checkpoint: dict | None, seed_writers: int = 0):
         if checkpoint is not None:
             self.dir = Path(config.run_dir or Path(config.resume).parent)
         elif config.run_dir:
@@ -1839,7 +1820,7 @@ class Run:
                counters: Callable[[], tuple[int, int]]) -> int:
         """Run `loop` until it ends or a stop is requested, save, and report; the exit status."""
         try:
-            with StopRequest() as stop:
+            with StopRequest(announce=True, same_within=0.0) as stop:
                 loop(stop)
             save()
             update, global_step = counters()
@@ -1876,16 +1857,25 @@ def agent_keys(config: Config) -> jax.Array:
     return jax.random.split(jax.random.key(config.seed), config.num_seeds)
 
 
-def game_options(config: Config) -> dict:
+def game_options(config: AtariConfig) -> dict:
     return dict(sticky_actions=config.sticky_actions, life_loss=config.life_loss, noop_max=config.noop_max,
                 frame_skip=config.frame_skip, max_episode_frames=config.max_episode_frames)
 
 
-def train_gymnax(config: Config, env_id: str, checkpoint: dict | None) -> int:
-    """Train `num_seeds` agents on a gymnax environment, a compiled piece of the run at a time."""
+def train_gymnax(config: RunConfig, env_id: str, checkpoint: dict | None) -> int:
+    """Train `num_seeds` agents on a gymnax environment: `make_train`'s program, a chunk of the run at a time.
+
+    A chunk is `--checkpoint-every` updates of every agent, `train_chunk` under `vmap`; between
+    chunks the run writes TensorBoard events, shows its progress, saves a checkpoint and looks for
+    a stop request. (A compiled program can also call back into Python as it runs,
+    `jax.debug.callback`, to print progress after every update, say. We report between chunks
+    instead: JAX refuses to store a program with a host callback in its persistent compilation
+    cache, `JAX_COMPILATION_CACHE_DIR`, which otherwise spares a second run of the same
+    configuration its compilation.)
+    """
     choose_device(config.device)
     run = Run(config, env_id, checkpoint, seed_writers=config.num_seeds if config.num_seeds > 1 else 0)
-    training = build_training(config, env_id)
+    training = make_train(config, env_id)
     keys = agent_keys(config)
     if checkpoint is None:
         runners = jax.jit(jax.vmap(training.init))(keys)
@@ -1901,7 +1891,7 @@ def train_gymnax(config: Config, env_id: str, checkpoint: dict | None) -> int:
 
     print(describe_devices(mesh, config.num_seeds), file=sys.stderr)
     started = time.perf_counter()
-    run_updates = compile_run_updates(training, min(config.checkpoint_every, training.num_updates), runners, mesh)
+    train_chunk = compile_train_chunk(training, min(config.checkpoint_every, config.num_updates), runners, mesh)
     print(f"{env_id}: {config.num_seeds} agent(s), compiled in {time.perf_counter() - started:.1f} s; "
           f"logs and checkpoints in {run.dir}", file=sys.stderr)
     run.open_writers()
@@ -1909,18 +1899,18 @@ def train_gymnax(config: Config, env_id: str, checkpoint: dict | None) -> int:
 
     def loop(stop: StopRequest) -> None:
         nonlocal runners, update
-        while update < training.num_updates and not stop():
-            count = min(config.checkpoint_every - update % config.checkpoint_every, training.num_updates - update)
-            piece_started = time.perf_counter()
-            new_runners, metrics = run_updates(runners, jnp.int32(count))
-            metrics = {name: value[:count] for name, value in jax.device_get(metrics).items()}  # [count, agents]
+        while update < config.num_updates and not stop():
+            count = min(config.checkpoint_every - update % config.checkpoint_every, config.num_updates - update)
+            chunk_started = time.perf_counter()
+            new_runners, metrics = train_chunk(runners, jnp.int32(count))
+            metrics = jax.tree.map(lambda value: value[:count], jax.device_get(metrics))  # [count, agents]
             broken = np.argwhere(metrics["nonfinite"])
             if broken.size:
                 at, agent = broken[0]
                 raise NonFiniteError(f"the loss or its gradient became non-finite at update {update + at + 1} "
                                      f"(agent {agent}); no step was taken from there on")
             runners = new_runners
-            sps = count * config.batch_size * config.num_seeds / (time.perf_counter() - piece_started)
+            sps = count * config.batch_size * config.num_seeds / (time.perf_counter() - chunk_started)
             log_gymnax_updates(run, metrics, update, config.batch_size, sps)
             update += count
             returns = metrics["episodic_return"]
@@ -1948,21 +1938,21 @@ def mean_over_agents(values: np.ndarray) -> float:
 def log_gymnax_updates(run: Run, metrics: dict[str, np.ndarray], first_update: int, batch_size: int,
                        sps: float) -> None:
     """Metrics of `[updates, agents]`: each agent's in its own writer, their mean in the run's."""
-    for index in range(len(metrics["policy_loss"])):
+    for index in range(len(metrics["episodes"])):
         step = (first_update + index + 1) * batch_size
-        per_agent = {name: value[index] for name, value in metrics.items()}
+        per_agent = jax.tree.map(lambda value: value[index], metrics)
         for agent, writer in enumerate(run.writers):
-            log_update(writer, {name: value[agent] for name, value in per_agent.items()}, step)
+            log_update(writer, jax.tree.map(lambda value: value[agent], per_agent), step)
             if per_agent["episodes"][agent]:
                 log_episodes(writer, per_agent["episodic_return"][agent], per_agent["episodic_length"][agent], step)
-        log_update(run.writer, {name: mean_over_agents(value) for name, value in per_agent.items()}, step)
+        log_update(run.writer, jax.tree.map(mean_over_agents, per_agent), step)
         if per_agent["episodes"].any():
             log_episodes(run.writer, mean_over_agents(per_agent["episodic_return"]),
                          mean_over_agents(per_agent["episodic_length"]), step)
     run.writer.add_scalar("charts/SPS", sps, step)
 
 
-def train_atari(config: Config, env_id: str, checkpoint: dict | None) -> int:
+def train_atari(config: RunConfig, env_id: str, checkpoint: dict | None) -> int:
     """Train one agent on an Atari game through worker processes, as `ppo_atari.py` does."""
     run = Run(config, env_id, checkpoint)
     num_workers = config.num_workers or min(config.num_envs, len(os.sched_getaffinity(0))
@@ -2045,10 +2035,10 @@ def make_evaluate(network: nn.Module, env: BatchedEnv) -> Callable[[Any, jax.Arr
     return evaluate
 
 
-def evaluate_gymnax(config: Config, env_id: str, checkpoint: dict) -> np.ndarray:
+def evaluate_gymnax(config: RunConfig, env_id: str, checkpoint: dict) -> np.ndarray:
     """`[agents, eval_episodes]` returns of the checkpoint's agents."""
     choose_device(config.device)
-    training = build_training(config, env_id)
+    training = make_train(config, env_id)
     template = jax.eval_shape(jax.vmap(training.init), agent_keys(config)).agent.params
     params = restore_tree(template, checkpoint["runners"]["agent"]["params"], config.eval)
     network, env = training.network, BatchedEnv(env_id, config.eval_episodes)
@@ -2058,7 +2048,7 @@ def evaluate_gymnax(config: Config, env_id: str, checkpoint: dict) -> np.ndarray
     return np.asarray(jax.jit(jax.vmap(make_evaluate(network, env)))(params, eval_keys))
 
 
-def evaluate_atari(config: Config, env_id: str, checkpoint: dict) -> np.ndarray:
+def evaluate_atari(config: RunConfig, env_id: str, checkpoint: dict) -> np.ndarray:
     """`[1, eval_episodes]` scores of whole games played with the checkpoint's policy."""
     seeds = game_seeds(config.seed + 1_000_003, config.eval_episodes)  # games unlike the training ones
     games = [Game(env_id, seed, **game_options(config)) for seed in seeds]
@@ -2089,7 +2079,7 @@ def evaluate_atari(config: Config, env_id: str, checkpoint: dict) -> np.ndarray:
     return scores[None]
 
 
-def open_videos(config: Config, env_id: str, games: list[Game]) -> list:
+def open_videos(config: RunConfig, env_id: str, games: list[Game]) -> list:
     """One mp4 writer per game, in <run dir>/videos, twice the screen's size, in real time."""
     video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
     video_dir.mkdir(parents=True, exist_ok=True)
@@ -2180,11 +2170,16 @@ def split_over_seeds(mesh: Mesh, axis: int = 0) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*[None] * axis, SEED_AXIS))
 
 
-def compile_run_updates(training: Training, length: int, runners: Runner, mesh: Mesh) -> Callable:
-    """`make_run_updates` compiled for `runners` placed on `mesh`; its metrics are `[updates, agents]`, split too."""
-    run_updates = jax.jit(make_run_updates(training, length),
-                          out_shardings=(split_over_seeds(mesh), split_over_seeds(mesh, axis=1)))
-    return run_updates.lower(runners, jnp.int32(0)).compile()
+def compile_train_chunk(training: Training, length: int, runners: Runner, mesh: Mesh) -> Callable:
+    """`train_chunk(runners, count)`: `count <= length` more updates of every agent, compiled for `runners` on `mesh`.
+
+    It is Part 1's `train_chunk` under `vmap`, with the same `count` for every agent; it returns the
+    runners and the metrics, `[length, agents]`, both split over the devices as the runners are.
+    """
+    every_agent = jax.vmap(functools.partial(training.train_chunk, length=length), in_axes=(0, None),
+                           out_axes=(0, 1))
+    train_chunk = jax.jit(every_agent, out_shardings=(split_over_seeds(mesh), split_over_seeds(mesh, axis=1)))
+    return train_chunk.lower(runners, jnp.int32(0)).compile()
 
 
 def describe_devices(mesh: Mesh, num_seeds: int) -> str:

@@ -29,15 +29,15 @@ import flax.serialization, jax, jax.numpy as jnp, numpy as np
 import ppo_jax
 
 config = ppo_jax.Config(num_seeds=4, num_steps=32, total_timesteps=1024)
-training = ppo_jax.build_training(config)
+training = ppo_jax.make_train(config)
 first = jax.jit(jax.vmap(training.init))(ppo_jax.agent_keys(config))
 
 
 def train(devices, through_checkpoint=False):
     mesh = ppo_jax.seed_mesh(config.num_seeds, devices)
     runners = jax.device_put(first, ppo_jax.split_over_seeds(mesh))
-    run_updates = ppo_jax.compile_run_updates(training, 4, runners, mesh)
-    runners, metrics = run_updates(runners, jnp.int32(4))
+    train_chunk = ppo_jax.compile_train_chunk(training, 4, runners, mesh)
+    runners, metrics = train_chunk(runners, jnp.int32(4))
     if through_checkpoint:
         state = ppo_jax.checkpoint_state(config, "CartPole-v1", 4, 512, runners=ppo_jax.storable(runners))
         stored = flax.serialization.msgpack_restore(flax.serialization.msgpack_serialize(state))
@@ -46,8 +46,8 @@ def train(devices, through_checkpoint=False):
         restored = ppo_jax.restore_tree(template, stored["runners"], "memory")
         restored = restored._replace(key=jax.random.wrap_key_data(restored.key))
         runners = jax.device_put(restored, ppo_jax.split_over_seeds(mesh))
-    runners, more = run_updates(runners, jnp.int32(4))
-    return ppo_jax.storable(runners), jax.tree.map(lambda *pieces: jnp.concatenate(pieces), metrics, more), run_updates
+    runners, more = train_chunk(runners, jnp.int32(4))
+    return ppo_jax.storable(runners), jax.tree.map(lambda *chunks: jnp.concatenate(chunks), metrics, more), train_chunk
 
 
 def shards(array, axis):
@@ -56,14 +56,14 @@ def shards(array, axis):
                   for shard in array.addressable_shards)
 
 
-spread, spread_metrics, run_updates = train(jax.devices())
+spread, spread_metrics, train_chunk = train(jax.devices())
 alone, alone_metrics, _ = train(jax.devices()[:1])
 resumed, _, _ = train(jax.devices(), through_checkpoint=True)
 np.savez(sys.argv[1], **{f"{name}/{i}": np.asarray(leaf) for name, tree in
                          [("spread", spread), ("spread_metrics", spread_metrics), ("alone", alone),
                           ("alone_metrics", alone_metrics), ("resumed", resumed)]
                          for i, leaf in enumerate(jax.tree.leaves(tree))})
-hlo = run_updates.as_text()
+hlo = train_chunk.as_text()
 print(json.dumps({
     "devices": len(jax.devices()),
     "mesh_sizes": {n: ppo_jax.seed_mesh(n).size for n in range(1, 9)},
