@@ -118,7 +118,7 @@ from tensorboard.summary.writer.event_file_writer import EventFileWriter
 #
 # PPO for one agent, as pure functions that JAX compiles, in the order they run. A reader who stops
 # at the end of this part has seen all of PPO; the parts after it run the same functions on Atari
-# (Part 2), from a command line (Part 3) and over several devices (Part 4).
+# (Part 2), from a command line (Part 3) and with many agents spread out (Part 4).
 #
 # ### Hyperparameters
 #
@@ -129,7 +129,7 @@ from tensorboard.summary.writer.event_file_writer import EventFileWriter
 #
 # | setting | ours | PureJaxRL | CleanRL | PPO paper | why ours |
 # |---|---|---|---|---|---|
-# | `total_timesteps` | 500,000 | 500,000 | 500,000 | 10M (Atari) | four agents of four seeds all end at 475 or more |
+# | `total_timesteps` | 500,000 | 500,000 | 500,000 | 10M (Atari) | the learning test's four agents all end at 475 or more |
 # | `num_envs` x `num_steps` | 4 x 128 | 4 x 128 | 4 x 128 | 8 x 128 | PureJaxRL's and CleanRL's |
 # | `learning_rate` | 2.5e-4, annealed | 2.5e-4, annealed | 2.5e-4, annealed | 2.5e-4 x $\alpha$ | theirs |
 # | `clip_range` $\epsilon$ | 0.2, annealed | 0.2, constant | 0.2, constant | 0.1 x $\alpha$ | annealed as the paper's $\epsilon$, baselines' for Atari and `ppo_atari.py`'s are; PureJaxRL and CleanRL keep it constant |
@@ -609,11 +609,12 @@ def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformatio
 #
 # `make_train` returns the pure functions of one agent's run: `init(key)` resets the environments
 # and initialises the network; `collect(runner)` plays the rollout, a scan over `num_steps`;
-# `update(runner)` is one whole iteration of PPO, the rollout, then `update_agent`. `train(key)`
-# is `init`, then a scan of `update` over every update of the run: the entire training of an
-# agent, which `jax.jit(jax.vmap(train))` compiles once into a program that trains one agent per
-# key. `train_chunk` is the same scan over a part of the run, so that the command line can run the
-# same program a chunk at a time and write logs and checkpoints in between.
+# `update(runner)` is one whole iteration of PPO, the rollout, then `update_agent`;
+# `train_chunk(runner, ...)` runs updates one after another, a scan of `update`. `train(key)` is
+# `init`, then `train_chunk` over every update of the run: the entire training of an agent, which
+# `jax.jit(jax.vmap(train))` compiles once into a program that trains one agent per key. The
+# command line runs the same `train_chunk` a part of the run at a time, and between the parts it
+# writes logs and checkpoints.
 #
 # Everything that changes during the run is in the `Runner` that the scans carry; nothing is
 # mutated and nothing is random except through keys that are split and passed along. That is the
@@ -1311,8 +1312,9 @@ RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.n
 # the same numbers but keeps its clip range constant; the PPO paper's Table 5 has 3 epochs and a
 # value coefficient of 1. MinAtar's follow PureJaxRL's scale of a batch (64 environments) and have
 # not been tuned. Pendulum's were found here, in the style of rl-zoo's (a short discount, large
-# batches, ten epochs, no entropy bonus): with them four agents reached returns between -147 and
-# -159 in 1M steps each (a random policy scores about -1,200).
+# batches, ten epochs, no entropy bonus), not the PPO paper's MuJoCo settings (its Table 3: one
+# actor, a horizon of 2048, 10 epochs of minibatches of 64, 3e-4, a discount of 0.99): with them four
+# agents reached returns between -147 and -159 in 1M steps each (a random policy scores about -1,200).
 PRESETS: dict[str, dict[str, Any]] = {
     "classic control": {},
     "continuous control": dict(total_timesteps=1_000_000, num_envs=16, num_steps=256, num_minibatches=32,
@@ -2140,7 +2142,11 @@ def main(argv: list[str] | None = None) -> int:
 # the same by hand, per device: it would need a spec for every input and output, and its check of
 # which values vary across devices turned off, since this code was written without it. The layout
 # of the outputs is stated too (`out_shardings`), so that a chunk's runners go into the next chunk
-# laid out as the compiled program expects.
+# laid out as the compiled program expects. Part 1's `jax.jit(jax.vmap(train))` spreads the same
+# way when its keys are placed first, `jax.device_put(keys, split_over_seeds(mesh))`; the command
+# line initialises the agents on one device and places their runners instead, since the agents'
+# initialisation, a loop over them (see Hardware choices), would first gather the keys onto every
+# device.
 #
 # Every device runs the same program, on as many agents as each other one, so the agents must split
 # evenly. Rather than refuse a run, we use the most devices they split over: 6 agents on 4 devices
