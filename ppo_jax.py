@@ -21,27 +21,22 @@ python ppo_jax.py --env Breakout                       # real Atari, through wor
 python ppo_jax.py --eval runs/<run>/checkpoint.msgpack
 ```
 
-Atari cannot be traced: the emulator is C++. For `--env Breakout` this script plays the games in
-worker processes exactly as `ppo_atari.py` does, and JAX compiles the two pieces that can be: one
-step of the policy during the rollout, and the whole update (GAE and the epochs of minibatches).
-That path keeps `ppo_atari.py`'s defaults, so the two pages can be compared line by line.
-
 What JAX changes about writing RL, as this page meets it:
 
-* **Purity.** A traced function sees arrays, not values, and runs once, at trace time: a `print`,
-  a global counter or `np.random` inside it would act once, not at every step. All that changes is
-  carried explicitly (the `Runner`), and randomness comes from keys split and passed along, so a
-  run is a function of its key, and resuming it is restoring a pytree.
-* **Loops are scans.** A Python loop is unrolled by the tracer, one copy of its body per turn;
-  `jax.lax.scan` compiles the body once. A scan has no `break`: an update stopped early is a flag
-  in the carry that turns the remaining steps into no-ops.
+* **Purity.** A traced function runs once, at trace time: a `print`, a global counter or
+  `np.random` inside it would act once, not at every step. All that changes is carried explicitly
+  (the `Runner`), and randomness comes from keys split and passed along: a run is a function of its
+  key, and resuming it is restoring a pytree.
+* **Loops are scans.** A Python loop is unrolled by the tracer; `jax.lax.scan` compiles its body
+  once. A scan has no `break`: an update stopped early is a flag that turns the remaining steps
+  into no-ops.
 * **`vmap` batches anything.** One gymnax environment becomes `num_envs` of them, and one training
   run becomes `num_seeds` of them, by the same transformation.
-* **Compile once, for one shape.** The first call compiles (seconds); a new shape compiles again.
-  Hence fixed shapes everywhere: evaluation steps every game, finished or not; the last, shorter
-  piece of a run skips its extra updates with `lax.cond` instead of compiling a shorter program.
-* **The host is far away.** A compiled run cannot write a TensorBoard event or a checkpoint; the
-  command line runs it a piece (`--checkpoint-every` updates) at a time and does those between.
+* **Compile once, for one shape.** A new shape compiles again, so shapes are fixed everywhere:
+  evaluation steps every game, finished or not; the last, shorter chunk of a run skips its extra
+  updates with `lax.cond` instead of compiling a shorter program.
+* **The host is far away.** A compiled run cannot write a TensorBoard event or a checkpoint: the
+  command line runs it a chunk (`--checkpoint-every` updates) at a time and does those between.
 
 What to expect, measured on this project's 2-core CPU (the README has the commands and the
 figures): CartPole-v1's default run, 500,000 steps of 4 environments x 128 steps, traces and
@@ -51,10 +46,8 @@ agents side by side gain little from `vmap` (sixteen ran at 181,000 steps a seco
 144,000 for one): PureJaxRL's thousands of agents at once are a GPU's game.
 Pendulum-v1 with its preset: four agents between -147 and -159 after 1M steps each.
 Breakout-MinAtar: a return of 7 after 2M steps (its 10M-step preset was not run here). Atari
-Breakout: 294 steps a second, against 677 for `ppo_atari.py` (bfloat16) measured alternately in the
-same session at the same settings; the games and the inference cost the same, and the difference
-is all in the update, which XLA's CPU backend runs slower than PyTorch's oneDNN kernels (2.6 s
-against 0.6 s an iteration).
+Breakout: 294 steps a second, against 677 for `ppo_atari.py` (bfloat16), all the difference in the
+update, which XLA's CPU backend runs slower than PyTorch's oneDNN kernels (see Part 2).
 
 Papers and projects: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); PureJaxRL, the whole run as one JAX program (Lu et al., 2022, "Discovered Policy
@@ -64,18 +57,18 @@ protocol and network of DQN (Mnih et al., 2015, Nature 518) and Machado et al. (
 limits as truncation (Pardo et al., 2018, arXiv:1712.00378); the implementation details catalogued
 by Huang et al. (2022, "The 37 implementation details of PPO", ICLR blog track).
 
+Licence: MIT (see LICENSE in the repository this file comes from); copy it freely, keeping this line.
+
 The page in order:
 
-1. Configuration: every hyperparameter, the presets of each kind of environment, the command line.
-2. The environments: gymnax batched with `vmap`; Atari's `Game` and its `Workers`.
-3. The model: the policy distributions written out, convolutions as matrix products, and three
-   actor-critics in flax.
-4. The math: `compute_gae` as a reverse scan, and `ppo_loss`.
-5. The update: `update_agent`, epochs of minibatches as two nested scans, shared by both paths.
-6. The whole run as one program: `build_training`, `make_train`, and `make_run_updates` for the
-   command line; the agents spread over several devices (optional).
-7. Atari: the same update, fed by workers (`AtariTrainer`).
-8. Checkpoints, logging, the two trainers, evaluation and `main()`.
+1. **The algorithm**, for one agent: `Config` and where its defaults come from; the environment
+   (`BatchedEnv`); the policy distributions and the actor-critics (`make_network`); `compute_gae`
+   and `normalize_advantages`; `ppo_loss`; the update (`make_update_agent`, two nested scans); the
+   loop of training (`make_train`: `train(key)` is a whole run, `train_chunk` a part of one).
+2. **Sampling at speed**: Atari through worker processes (`Game`, `Workers`, `AtariTrainer`).
+3. **Running it for real**: the command line, hardware choices, checkpoints, logging, Ctrl-C, the
+   training runs, evaluation, `main()`.
+4. **More than one device**: the agents of `--num-seeds` spread over devices (`jax.sharding`).
 """
 
 from __future__ import annotations
@@ -84,6 +77,7 @@ import argparse
 import ast
 import ctypes
 import dataclasses
+import functools
 import difflib
 import inspect
 import math
@@ -98,8 +92,7 @@ import traceback
 import typing
 from collections import deque
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from multiprocessing.connection import wait as wait_for_any
+from multiprocessing.connection import Connection, wait as wait_for_any
 from pathlib import Path
 from typing import Any, Callable, Literal, NamedTuple
 
@@ -120,12 +113,36 @@ from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboard.plugins.text.plugin_data_pb2 import TextPluginData
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-# ## Configuration
+
+# ## Part 1: The algorithm
 #
-# One dataclass holds every setting of a run. The string under each field is its documentation and
-# its `--help` text; the command line is derived from the class, `num_envs` spelled `--num-envs`.
-# The defaults are those of CartPole-v1, the default environment; other kinds of environment start
-# from the presets below, and a flag typed on the command line overrides both.
+# PPO for one agent, as pure functions that JAX compiles, in the order they run. A reader who stops
+# at the end of this part has seen all of PPO; the parts after it run the same functions on Atari
+# (Part 2), from a command line (Part 3) and with many agents spread out (Part 4).
+#
+# ### Hyperparameters
+#
+# One dataclass holds the settings of the algorithm, each documented by the string under it, which
+# is also its `--help` text. The defaults are CartPole-v1's; other kinds of environment start from
+# presets of their own (Part 3). Where each default comes from, beside PureJaxRL's CartPole settings
+# (`purejaxrl/ppo.py`), CleanRL's (`cleanrl/ppo.py`) and the PPO paper's for Atari (its Table 5):
+#
+# | setting | ours | PureJaxRL | CleanRL | PPO paper | why ours |
+# |---|---|---|---|---|---|
+# | `total_timesteps` | 500,000 | 500,000 | 500,000 | 10M (Atari) | the learning test's four agents all end at 475 or more |
+# | `num_envs` x `num_steps` | 4 x 128 | 4 x 128 | 4 x 128 | 8 x 128 | PureJaxRL's and CleanRL's |
+# | `learning_rate` | 2.5e-4, annealed | 2.5e-4, annealed | 2.5e-4, annealed | 2.5e-4 x $\alpha$ | theirs |
+# | `clip_range` $\epsilon$ | 0.2, annealed | 0.2, constant | 0.2, constant | 0.1 x $\alpha$ | annealed as the paper's $\epsilon$, baselines' for Atari and `ppo_atari.py`'s are; PureJaxRL and CleanRL keep it constant |
+# | `update_epochs` | 4 | 4 | 4 | 3 | PureJaxRL's and CleanRL's |
+# | `num_minibatches` | 4 (of 128) | 4 | 4 | 4 (of 32 x 8 = 256) | theirs |
+# | `gamma`, `gae_lambda`, `ent_coef` | 0.99, 0.95, 0.01 | the same | the same | the same | all agree |
+# | `vf_coef` | 0.5 | 0.5 | 0.5 | 1 | theirs; with the $\frac12$ inside the value loss, the squared error weighs 0.25 (the paper's: 1) |
+# | `max_grad_norm`, Adam's $\epsilon$ | 0.5, 1e-5 | 0.5, 1e-5 | 0.5, 1e-5 | none, not given | baselines', kept by all three |
+# | value clipping | at $\epsilon$ | at 0.2 | at 0.2 | none | baselines', and so annealed with $\epsilon$ here |
+#
+# "Annealed" means multiplied by $1 - k/N$ at update $k = 0, 1, \dots, N-1$ of $N$: the full value at
+# the first update, falling linearly to $1/N$ of it at the last (not to 0), in PureJaxRL, CleanRL and
+# baselines alike; the paper's $\alpha$ falls from 1 to 0 over the course of learning.
 
 
 @dataclass
@@ -141,12 +158,10 @@ class Config:
     """Environments each agent plays at once."""
     num_steps: int = 128
     """Steps each environment plays per update; a batch is `num_envs * num_steps` transitions."""
-    num_workers: int = 0
-    """Atari: processes that play the games (0: one per CPU core, at most one per game)."""
     learning_rate: float = 2.5e-4
-    """Adam's learning rate at the start; annealed linearly to 0 over the run."""
+    """Adam's learning rate at the first update; annealed linearly, to 1/N of it at the last of N updates."""
     clip_range: float = 0.2
-    """PPO's clip range epsilon at the start; annealed linearly to 0 over the run."""
+    """PPO's clip range epsilon (of the ratio and of the value) at the first update; annealed as the learning rate."""
     gamma: float = 0.99
     """Discount factor."""
     gae_lambda: float = 0.95
@@ -163,35 +178,8 @@ class Config:
     """Clip the global norm of the gradient to this."""
     target_kl: float | None = None
     """Stop an update early once the approximate KL divergence to the old policy exceeds this."""
-    sticky_actions: float = 0.0
-    """Atari: probability that the emulator repeats the previous action on a frame (0.25: Machado et al.)."""
-    life_loss: bool = True
-    """Atari: end the learning episode when a life is lost (the game goes on)."""
-    noop_max: int = 30
-    """Atari: up to this many no-op frames at the start of each game, a random number of them."""
-    frame_skip: int = 4
-    """Atari: frames each action is repeated for."""
-    max_episode_frames: int = 108_000
-    """Atari: frames after which a game is cut (a truncation): 30 minutes of play at 60 frames a second."""
     seed: int = 1
     """Seeds everything: the agents' keys are split from it, and each Atari game gets a seed derived from it."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where JAX runs (`auto`: a GPU when JAX finds one)."""
-    start_method: Literal["default", "fork", "spawn", "forkserver"] = "default"
-    """Atari: how worker processes are started (`default`: the platform's own)."""
-    run_dir: str | None = None
-    """Where TensorBoard events and checkpoints go (default: runs/<env>__<seed>__<time>)."""
-    checkpoint_every: int = 100
-    """Write checkpoint.msgpack every this many updates (and always at the end and on Ctrl-C)."""
-    resume: str | None = None
-    """Continue training from this checkpoint with its settings; flags given override them (a larger
-    `--total-timesteps` extends the run, and the annealing stretches over the new length)."""
-    eval: str | None = None
-    """Play `eval_episodes` episodes with the policy in this checkpoint (each agent's) and print the return."""
-    eval_episodes: int = 10
-    """Episodes to play with `--eval`."""
-    capture_video: bool = False
-    """Atari: with `--eval`, write each game to an mp4 in <run dir>/videos."""
 
     @property
     def batch_size(self) -> int:
@@ -206,141 +194,7 @@ class Config:
         return self.total_timesteps // self.batch_size
 
 
-# Each kind of environment starts from its own settings; CartPole's are the defaults above. They
-# are PureJaxRL's CartPole settings (the PPO paper's Atari settings with a clip range of 0.2), and
-# for Atari the PPO paper's own, `ppo_atari.py`'s defaults. MinAtar's follow PureJaxRL's scale of a
-# batch (64 environments) and have not been tuned. Pendulum's were found here, in the style of
-# rl-zoo's (a short discount, large batches, ten epochs, no entropy bonus): with them four agents
-# reached returns between -147 and -159 in 1M steps each (a random policy scores about -1,200).
-PRESETS: dict[str, dict[str, Any]] = {
-    "classic control": {},
-    "continuous control": dict(total_timesteps=1_000_000, num_envs=16, num_steps=256, num_minibatches=32,
-                               update_epochs=10, learning_rate=1e-3, gamma=0.95, ent_coef=0.0),
-    "MinAtar": dict(total_timesteps=10_000_000, num_envs=64, num_minibatches=8, learning_rate=5e-4),
-    "Atari": dict(total_timesteps=10_000_000, num_envs=8, clip_range=0.1),
-}
-
-# The settings of one invocation rather than of the agent: a resumed run takes its hyperparameters
-# from the checkpoint, but these from the command line (or their defaults).
-RUN_OPTIONS = {"num_workers", "device", "start_method", "run_dir", "resume", "eval", "eval_episodes",
-               "capture_video", "checkpoint_every"}
-
-
-class ConfigError(Exception):
-    """A mistake in what the user asked for: reported in one line, exit status 2."""
-
-
-PROG = Path(__file__).name
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The string literal under each field of a dataclass, read from its source."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    body = ast.parse(source).body[0].body
-    docs = {}
-    for node, following in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
-                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
-            docs[node.target.id] = " ".join(following.value.value.split())
-    return docs
-
-
-def parse_int(text: str) -> int:
-    """An integer, also written as `10_000_000` or `1e7`."""
-    try:
-        return int(text)
-    except ValueError:
-        value = float(text)
-        if not value.is_integer():
-            raise ValueError(text) from None
-        return int(value)
-
-
-parse_int.__name__ = "integer"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a mistake is one line on stderr and exit status 2, without the usage block."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The command line, one flag per field of `Config`.
-
-    Flags the user did not type are absent from the parsed namespace (`argparse.SUPPRESS`), so the
-    presets and a resumed run's checkpoint can tell an explicit `--total-timesteps` from the default.
-    """
-    parser = OneLineParser(prog=PROG,
-                           description="PPO in JAX, annotated. See the module docstring.",
-                           argument_default=argparse.SUPPRESS)
-    docs = field_docs(Config)
-    hints = typing.get_type_hints(Config)
-    for field in dataclasses.fields(Config):
-        flag = "--" + field.name.replace("_", "-")
-        kind = hints[field.name]
-        presets = "".join(f"; {family}: {preset[field.name]}" for family, preset in PRESETS.items()
-                          if field.name in preset)
-        help_text = f"{docs.get(field.name, '')} (default: {field.default}{presets})"
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
-            continue
-        if typing.get_origin(kind) is Literal:
-            parser.add_argument(flag, choices=typing.get_args(kind), help=help_text)
-            continue
-        if type(None) in typing.get_args(kind):
-            kind = next(t for t in typing.get_args(kind) if t is not type(None))
-        parser.add_argument(flag, type=parse_int if kind is int else kind, metavar=field.name.upper(),
-                            help=help_text)
-    return parser
-
-
-def check_config(config: Config, family: str) -> None:
-    """Refuse settings that cannot work, before any process starts or anything compiles."""
-    positive = ["num_seeds", "total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs",
-                "frame_skip", "max_episode_frames", "checkpoint_every", "eval_episodes"]
-    for name in positive:
-        if getattr(config, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
-    for name in ["learning_rate", "clip_range", "max_grad_norm"]:
-        if not getattr(config, name) > 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
-    for name in ["gamma", "gae_lambda", "sticky_actions"]:
-        if not 0 <= getattr(config, name) <= 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1], not {getattr(config, name)}")
-    for name in ["ent_coef", "vf_coef", "noop_max", "num_workers"]:
-        if getattr(config, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must not be negative, not {getattr(config, name)}")
-    if config.target_kl is not None and not config.target_kl > 0:
-        raise ConfigError(f"--target-kl must be positive, not {config.target_kl}")
-    if config.batch_size % config.num_minibatches:
-        raise ConfigError(f"the batch of {config.num_envs} envs x {config.num_steps} steps = {config.batch_size} "
-                          f"does not split into {config.num_minibatches} minibatches")
-    if config.eval is None and config.total_timesteps < config.batch_size:
-        raise ConfigError(f"--total-timesteps {config.total_timesteps} is less than one batch "
-                          f"({config.batch_size} = num envs x num steps)")
-    if config.num_workers > config.num_envs:
-        raise ConfigError(f"--num-workers {config.num_workers} is more than --num-envs {config.num_envs}")
-    if config.max_episode_frames <= config.noop_max + 2 * config.frame_skip:
-        raise ConfigError(f"--max-episode-frames {config.max_episode_frames} leaves no room to play "
-                          f"after {config.noop_max} no-ops")
-    if config.eval is not None and config.resume is not None:
-        raise ConfigError("--eval and --resume cannot be used together")
-    if family == "Atari" and config.num_seeds > 1:
-        raise ConfigError("--num-seeds trains agents side by side in one compiled program, which needs an "
-                          "environment written in JAX; an Atari run trains one agent")
-    if config.capture_video and (config.eval is None or family != "Atari"):
-        raise ConfigError("--capture-video records Atari evaluation games; use it with --eval CHECKPOINT "
-                          "of an Atari run")
-
-
-# ## The environments
-#
-# ### gymnax: environments as pure functions
+# ### The environment
 #
 # A gymnax environment is a pair of pure functions, `reset(key, params) -> (obs, state)` and
 # `step(key, state, action, params) -> (obs, state, reward, terminated, truncated, info)`. The state is
@@ -350,57 +204,24 @@ def check_config(config: Config, family: str) -> None:
 # the first of the next episode) and hands the last observation of the ended one back in
 # `info["final_observation"]`: we need it to bootstrap a truncated episode.
 
-GYMNAX_FAMILIES = {
-    "CartPole-v1": "classic control", "Acrobot-v1": "classic control", "MountainCar-v0": "classic control",
-    "Pendulum-v1": "continuous control", "MountainCarContinuous-v0": "continuous control",
-    "Asterix-MinAtar": "MinAtar", "Breakout-MinAtar": "MinAtar", "Freeway-MinAtar": "MinAtar",
-    "Seaquest-MinAtar": "MinAtar", "SpaceInvaders-MinAtar": "MinAtar",
-}
-
-
-def atari_ids() -> list[str]:
-    """Every Atari id gymnasium knows once ale-py has registered its games."""
-    gym.register_envs(ale_py)
-    return sorted(env_id for env_id, spec in gym.registry.items() if spec.entry_point == "ale_py.env:AtariEnv")
-
-
-def resolve_env(name: str) -> tuple[str, str]:
-    """The id and family of the environment named `name`, or a `ConfigError` suggesting close names.
-
-    gymnax ids are matched first, ignoring case; then Atari games, by full id or by short name
-    (`Breakout` is Atari's Breakout; MinAtar's is `Breakout-MinAtar`).
-    """
-    for env_id, family in GYMNAX_FAMILIES.items():
-        if env_id.lower() == name.lower():
-            return env_id, family
-    ids = atari_ids()
-    if name in ids:
-        return name, "Atari"
-    short_names = {env_id[4:-3]: env_id for env_id in ids
-                   if env_id.startswith("ALE/") and env_id.endswith("-v5") and "-ram" not in env_id}
-    for short_name, env_id in short_names.items():
-        if short_name.lower() == name.lower():
-            return env_id, "Atari"
-    close = difflib.get_close_matches(name, list(GYMNAX_FAMILIES) + list(short_names) + ids, n=3, cutoff=0.6)
-    hint = (f"; did you mean {', '.join(close)}?" if close
-            else "; names look like CartPole-v1, Breakout-MinAtar or Breakout (Atari)")
-    raise ConfigError(f"unknown environment {name!r}{hint}")
-
 
 class BatchedEnv:
-    """`num_envs` copies of a gymnax environment, stepped together, with the action space's facts.
+    """`num_envs` copies of a gymnax environment, stepped together, with the facts the agent needs.
 
+    The shape of an observation and the number of actions (or, for continuous actions, their
+    dimension) are read from the environment's spaces here, and nowhere written out again.
     Continuous actions are clipped to the action space's bounds on their way to the environment;
     the agent keeps the unclipped sample, whose log-probability is the one its policy assigned.
     """
 
     def __init__(self, env_id: str, num_envs: int):
-        # Imported here, not at the top: importing gymnax builds arrays, which starts JAX's backend
-        # and its threads, and an Atari run must fork its workers before that happens.
+        # Imported here, not at the top: importing gymnax starts JAX, and an Atari run must start
+        # its worker processes before JAX starts (Part 2).
         import gymnax
 
         self.env, self.params = gymnax.make(env_id)
         self.num_envs = num_envs
+        self.obs_shape = tuple(self.env.observation_space(self.params).shape)
         space = self.env.action_space(self.params)
         self.continuous = isinstance(space, gymnax.environments.spaces.Box)
         self.action_dim = int(np.prod(space.shape)) if self.continuous else int(space.n)
@@ -421,12 +242,543 @@ class BatchedEnv:
         return obs, state, rewards, terminated, truncated, info["final_observation"]
 
 
+# ### The policy, written out
+#
+# A policy network outputs the parameters of a distribution over actions; PPO needs three things of
+# it: a sample, the log-probability of an action, and the entropy. Both distributions are a few
+# lines of `jax.numpy`. They are `NamedTuple`s, and so pytrees: a network can return one from a
+# jitted function and `vmap` can batch it like any array.
+
+
+class Categorical(NamedTuple):
+    r"""A distribution over `n` discrete actions, $\pi(a) = \mathrm{softmax}(\ell)_a$, given by its logits $\ell$.
+
+    $$\log \pi(a) = \ell_a - \log \textstyle\sum_b e^{\ell_b}, \qquad
+      H = -\textstyle\sum_a \pi(a) \log \pi(a).$$
+
+    `log_softmax` computes the first without overflow (it subtracts the largest logit first).
+    """
+
+    logits: jax.Array
+
+    def sample(self, key: jax.Array) -> jax.Array:
+        return jax.random.categorical(key, self.logits)
+
+    def log_prob(self, actions: jax.Array) -> jax.Array:
+        log_probs = jax.nn.log_softmax(self.logits)
+        return jnp.take_along_axis(log_probs, actions[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+    def entropy(self) -> jax.Array:
+        log_probs = jax.nn.log_softmax(self.logits)
+        return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+
+
+class Gaussian(NamedTuple):
+    r"""A diagonal Gaussian over continuous actions, $a \sim \mathcal N(\mu, \mathrm{diag}\,\sigma^2)$, with $\log\sigma$ given.
+
+    $$\log \pi(a) = \sum_i \left[ -\frac{(a_i - \mu_i)^2}{2\sigma_i^2} - \log\sigma_i - \tfrac12 \log 2\pi \right],
+      \qquad H = \sum_i \left[ \tfrac12 + \tfrac12 \log 2\pi + \log\sigma_i \right].$$
+
+    The entropy does not depend on the mean: only a wider policy explores more.
+    """
+
+    mean: jax.Array
+    log_std: jax.Array
+
+    def sample(self, key: jax.Array) -> jax.Array:
+        return self.mean + jnp.exp(self.log_std) * jax.random.normal(key, self.mean.shape)
+
+    def log_prob(self, actions: jax.Array) -> jax.Array:
+        z = (actions - self.mean) * jnp.exp(-self.log_std)
+        return jnp.sum(-0.5 * z**2 - self.log_std - 0.5 * math.log(2 * math.pi), axis=-1)
+
+    def entropy(self) -> jax.Array:
+        return jnp.sum(0.5 + 0.5 * math.log(2 * math.pi) + self.log_std, axis=-1)
+
+
+# ### The actor-critics
+#
+# A flax module is a description of a network: `init(key, obs)` returns its parameters as a
+# pytree, and `apply(params, obs)` runs it. The parameters live outside the module, which is what
+# lets them be carried through `scan`, differentiated by `jax.grad` and batched by `vmap`. Which
+# network an environment gets is decided in one place, `make_network`, from the environment's
+# observations and actions.
+
+
+def dense(features: int, gain: float = math.sqrt(2), name: str | None = None) -> nn.Dense:
+    r"""A linear layer with orthogonal weights scaled by `gain` and zero biases.
+
+    Orthogonal matrices keep the norm of what passes through, so activations neither explode nor
+    vanish with depth; $\sqrt 2$ makes up for the half of a ReLU's input cut to 0. The policy head
+    starts at gain 0.01, so the first policy is almost uniform; the value head at gain 1.
+    """
+    return nn.Dense(features, kernel_init=nn.initializers.orthogonal(gain), bias_init=nn.initializers.zeros,
+                    name=name)
+
+
+class MLPActorCritic(nn.Module):
+    r"""For vector observations: a policy network and a value network, each two 64-unit tanh layers.
+
+    The two share nothing, as in PPO's MuJoCo experiments: networks this small gain nothing from
+    sharing, and the value loss cannot disturb the policy's features. For continuous actions the
+    policy outputs the Gaussian's mean; its log standard deviation is a parameter of its own, the
+    same in every state, starting at 0 ($\sigma = 1$).
+    """
+
+    action_dim: int
+    continuous: bool = False
+
+    @nn.compact
+    def __call__(self, obs: jax.Array) -> tuple[Categorical | Gaussian, jax.Array]:
+        def tower(name: str, outputs: int, gain: float) -> jax.Array:
+            hidden = nn.tanh(dense(64, name=f"{name}_hidden_0")(obs))
+            hidden = nn.tanh(dense(64, name=f"{name}_hidden_1")(hidden))
+            return dense(outputs, gain, name=name)(hidden)
+
+        policy_output = tower("policy", self.action_dim, gain=0.01)
+        values = tower("value", 1, gain=1.0)[..., 0]
+        if not self.continuous:
+            return Categorical(policy_output), values
+        log_std = self.param("log_std", nn.initializers.zeros, (self.action_dim,))
+        return Gaussian(policy_output, jnp.broadcast_to(log_std, policy_output.shape)), values
+
+
+class MinAtarActorCritic(nn.Module):
+    """For MinAtar's 10 x 10 grids of 0/1 channels: the network of the MinAtar paper, shared by two heads.
+
+    One 3 x 3 convolution of 16 filters and a 128-unit layer (Young and Tian, 2019). `Convolution`
+    is flax's `nn.Conv` without padding, computed as a matrix product (see Hardware choices, Part 3).
+    """
+
+    n_actions: int
+
+    @nn.compact
+    def __call__(self, obs: jax.Array) -> tuple[Categorical, jax.Array]:
+        hidden = nn.relu(Convolution(16, kernel=3)(obs))                   # 10 x 10 x C -> 8 x 8 x 16
+        hidden = nn.relu(dense(128)(hidden.reshape(*hidden.shape[:-3], -1)))
+        return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
+
+
+def make_network(env: BatchedEnv) -> nn.Module:
+    """The actor-critic for `env`: the CNN for grids of channels (MinAtar's), the MLP for vectors."""
+    if len(env.obs_shape) == 3:
+        return MinAtarActorCritic(env.action_dim)
+    return MLPActorCritic(env.action_dim, continuous=env.continuous)
+
+
+# ### Generalized advantage estimation
+#
+# The policy gradient needs to know how much better an action was than the policy's average at
+# that state: the advantage $A_t$. GAE (Schulman et al., 2016) blends estimates of it from one step
+# to the whole rollout. A Python loop over time steps would be unrolled by the tracer into
+# `num_steps` copies of its body; `jax.lax.scan` compiles the body once and loops over it.
+
+
+def compute_gae(rewards: jax.Array, values: jax.Array, next_values: jax.Array, terminated: jax.Array,
+                truncated: jax.Array, gamma: float, gae_lambda: float) -> tuple[jax.Array, jax.Array]:
+    r"""Advantages and returns for a rollout; every argument is `[num_steps, num_envs]`.
+
+    With the TD error of step $t$
+
+    $$\delta_t = r_t + \gamma (1 - \mathrm{terminated}_t) V(s_{t+1}) - V(s_t),$$
+
+    the advantage is the exponentially weighted sum of the TD errors that follow, cut where the
+    episode ends:
+
+    $$\hat A_t = \delta_t + \gamma \lambda (1 - \mathrm{done}_t) \hat A_{t+1},
+      \qquad \mathrm{done}_t = \mathrm{terminated}_t \lor \mathrm{truncated}_t ,$$
+
+    computed backwards from the last step with `scan(..., reverse=True)`, the carry being
+    $\hat A_{t+1}$. The returns the value function regresses to are $\hat A_t + V(s_t)$.
+
+    `next_values[t]` is $V(s_{t+1})$ of the observation step $t$ led to, *before* any reset: where
+    an episode ended, the environment has already moved on to the next one, and the caller
+    supplies the value of the ended episode's final observation.
+
+    **Why termination and truncation stay apart.** A termination (the pole fell, the game is over)
+    has no future: the value after it is 0. A truncation (CartPole's 500-step limit, Atari's frame
+    cap) only means we stopped watching: the episode would have gone on earning reward, so
+    $\delta_t$ bootstraps from $V$ of the final observation, while the sum over later TD errors is
+    still cut, since those belong to the next episode. PureJaxRL folds both into one `done` that
+    zeroes the bootstrap: on CartPole-v1 every perfect episode ends by truncation at step 500, and
+    folding teaches the critic that a balanced pole is worth nothing after 500 steps, a fact it
+    cannot see in its observation (there is no clock in it). That biases the value of every state
+    near the limit towards 0, and the advantages of the actions taken there with it; Pardo et al.
+    (2018) measure the harm.
+    """
+    not_terminated = 1.0 - terminated.astype(jnp.float32)
+    not_done = 1.0 - (terminated | truncated).astype(jnp.float32)
+    deltas = rewards + gamma * not_terminated * next_values - values
+
+    def backwards(next_advantage: jax.Array, step: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        delta, not_done = step
+        advantage = delta + gamma * gae_lambda * not_done * next_advantage
+        return advantage, advantage
+
+    _, advantages = jax.lax.scan(backwards, jnp.zeros_like(deltas[0]), (deltas, not_done), reverse=True)
+    return advantages, advantages + values
+
+
+def normalize_advantages(advantages: jax.Array) -> jax.Array:
+    r"""The advantages of a minibatch, shifted and scaled to mean 0 and standard deviation 1:
+
+    $$\hat A_t \leftarrow rac{\hat A_t - \mathrm{mean}(\hat A)}{\mathrm{std}(\hat A) + 10^{-8}}.$$
+
+    The gradient's scale then no longer depends on the rewards', and about half the actions of a
+    minibatch are pushed up, half down. Per minibatch, as in baselines, CleanRL and PureJaxRL.
+    """
+    return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+
+
+# ### The clipped objective
+#
+# A policy gradient step is only accurate near the policy that collected the data. PPO takes many
+# minibatch steps on one batch and keeps the new policy near the old one by taking away any gain
+# from moving the probability ratio $r_t(\theta) = \pi_\theta(a_t|s_t) / \pi_{\theta_\text{old}}(a_t|s_t)$
+# outside $[1 - \epsilon, 1 + \epsilon]$.
+
+
+def ppo_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.Array, values: jax.Array,
+             old_values: jax.Array, returns: jax.Array, entropy: jax.Array, clip_range: float | jax.Array,
+             config: Config) -> dict[str, jax.Array]:
+    r"""PPO's loss on a minibatch (advantages already normalised): its terms by name, the total under `loss`.
+
+    The policy term is the negated clipped surrogate of Schulman et al. (2017, eq. 7):
+
+    $$L^\text{CLIP} = -\mathbb{E}_t\left[\min\left(r_t \hat A_t,\;
+      \mathrm{clip}(r_t, 1 - \epsilon, 1 + \epsilon)\, \hat A_t\right)\right].$$
+
+    The minimum makes it pessimistic: once the ratio has moved past the clip in the direction the
+    advantage favours, the clipped term is the smaller and constant in $\theta$, and its gradient
+    is zero; if the ratio moved the wrong way, the unclipped term is taken and pulls it back.
+
+    The value term clips the same way around the old prediction, as the paper's reference code
+    does, and takes the larger error:
+
+    $$L^V = \tfrac12 \mathbb{E}_t \max\left((V - R)^2,\;
+      (V_\text{old} + \mathrm{clip}(V - V_\text{old}, -\epsilon, \epsilon) - R)^2\right).$$
+
+    The entropy bonus $S$ keeps the policy from collapsing early. In all, with the coefficients
+    $c_V$ and $c_S$ of `config`, $L = L^\text{CLIP} + c_V L^V - c_S S$.
+
+    `approx_kl` estimates $\mathrm{KL}(\pi_\text{old} \,\|\, \pi_\theta)$ with
+    $\mathbb{E}[(r - 1) - \log r]$, unbiased and never negative (Schulman, "Approximating KL
+    divergence", 2020); `clipfrac` is the share of samples whose ratio is outside the clip. Both are
+    diagnostics: `stop_gradient` keeps them out of the derivative.
+
+    The terms come back by name: the update averages each over its minibatch steps and the command
+    line logs each but the total as `losses/<name>`. A new term (a KL penalty, say) is one more entry
+    here, its coefficient one more field of `Config`, and nothing else changes.
+    """
+    log_ratio = log_probs - old_log_probs
+    ratio = jnp.exp(log_ratio)
+    # Clip the ratio so one update cannot move the policy far: $\mathrm{clip}(r_t, 1-\epsilon, 1+\epsilon)$.
+    clipped_ratio = jnp.clip(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = jnp.maximum(-advantages * ratio, -advantages * clipped_ratio).mean()
+
+    clipped_values = old_values + jnp.clip(values - old_values, -clip_range, clip_range)
+    value_loss = 0.5 * jnp.maximum((values - returns) ** 2, (clipped_values - returns) ** 2).mean()
+
+    entropy = entropy.mean()
+    loss = policy_loss + config.vf_coef * value_loss - config.ent_coef * entropy
+    ratio, log_ratio = jax.lax.stop_gradient((ratio, log_ratio))
+    approx_kl = ((ratio - 1.0) - log_ratio).mean()
+    clipfrac = (jnp.abs(ratio - 1.0) > clip_range).astype(jnp.float32).mean()
+    return dict(loss=loss, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy, approx_kl=approx_kl,
+                clipfrac=clipfrac)
+
+
+def linear_schedule(initial: float, update: int | jax.Array, num_updates: int) -> jax.Array:
+    """`initial` annealed linearly: the full value at update 0, `initial / num_updates` at the last."""
+    return initial * (1.0 - update / num_updates)
+
+
+def explained_variance(predictions: jax.Array, targets: jax.Array) -> jax.Array:
+    r"""$1 - \mathrm{Var}[y - \hat y] / \mathrm{Var}[y]$: 1 for a perfect value function, 0 for a constant one."""
+    variance = targets.var()
+    return jnp.where(variance == 0, jnp.nan, 1.0 - (targets - predictions).var() / variance)
+
+
+# ### The update
+#
+# Both paths of this page, the compiled run on gymnax and the Atari trainer, end every rollout in
+# the same function: `update_agent` turns a rollout into advantages and runs `update_epochs` passes
+# of shuffled minibatches over it. In PyTorch these are two `for` loops; here they are two nested
+# scans, the outer over epochs (each with its own shuffle), the inner over minibatches. A scan has no
+# `break`, so the two ways an update can end early, a KL divergence past `--target-kl` and a
+# non-finite gradient, become a flag in the carry that turns the remaining steps into no-ops.
+
+
+class Agent(NamedTuple):
+    """Everything that learns: the network's parameters and the optimizer's state (Adam's moments)."""
+
+    params: Any
+    opt_state: Any
+
+
+class Rollout(NamedTuple):
+    """`num_steps` steps of `num_envs` environments; every field has leading axes `[num_steps, num_envs]`."""
+
+    obs: jax.Array
+    actions: jax.Array
+    log_probs: jax.Array
+    values: jax.Array
+    next_values: jax.Array
+    rewards: jax.Array
+    terminated: jax.Array
+    truncated: jax.Array
+
+
+class Batch(NamedTuple):
+    """A rollout flattened into `batch_size` transitions, with their advantages and returns."""
+
+    obs: jax.Array
+    actions: jax.Array
+    log_probs: jax.Array
+    values: jax.Array
+    advantages: jax.Array
+    returns: jax.Array
+
+
+def make_optimizer(config: Config) -> optax.GradientTransformation:
+    r"""Clip the gradient's global norm, then Adam's direction with $\epsilon = 10^{-5}$ (PPO's reference code).
+
+    The learning rate is not part of it: `update_agent` multiplies Adam's direction by the annealed
+    rate of each update, so the schedule lives in one visible line rather than in the optimizer's
+    step count.
+    """
+    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optax.scale_by_adam(eps=1e-5))
+
+
+def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformation, config: Config) -> Callable:
+    """`update_agent(agent, rollout, key, learning_rate, clip_range) -> (agent, metrics)`: one PPO update, pure.
+
+    The learning rate and the clip range are arguments, computed by the caller from its schedule:
+    the compiled update then does not depend on the length of the run, and a resumed run that
+    extends it reuses the same program. `metrics["losses"]` holds each term of `ppo_loss` but the
+    total, averaged over the minibatch steps taken, and the value function's explained variance.
+    """
+
+    def loss_fn(params: Any, minibatch: Batch, clip_range: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        policy, values = network.apply(params, minibatch.obs)
+        terms = ppo_loss(policy.log_prob(minibatch.actions), minibatch.log_probs,
+                         normalize_advantages(minibatch.advantages), values, minibatch.values, minibatch.returns,
+                         policy.entropy(), clip_range, config)
+        return terms["loss"], terms
+
+    def update_agent(agent: Agent, rollout: Rollout, key: jax.Array, learning_rate: jax.Array,
+                     clip_range: jax.Array) -> tuple[Agent, dict]:
+        advantages, returns = compute_gae(rollout.rewards, rollout.values, rollout.next_values, rollout.terminated,
+                                          rollout.truncated, config.gamma, config.gae_lambda)
+        batch = jax.tree.map(lambda x: x.reshape(config.batch_size, *x.shape[2:]),
+                             Batch(rollout.obs, rollout.actions, rollout.log_probs, rollout.values, advantages, returns))
+
+        def minibatch_step(carry: tuple, indices: jax.Array) -> tuple[tuple, tuple]:
+            agent, stopped, broken = carry
+            minibatch = jax.tree.map(lambda x: x[indices], batch)
+            (_, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(agent.params, minibatch, clip_range)
+            if config.target_kl is not None:
+                stopped = stopped | (terms["approx_kl"] > config.target_kl)
+            broken = broken | ~jnp.isfinite(optax.tree.norm(grads))
+            take = ~(stopped | broken)
+            direction, opt_state = optimizer.update(grads, agent.opt_state)
+            # Adam's step: $\theta \leftarrow \theta - \alpha_k \cdot \mathrm{direction}$, with this update's rate $\alpha_k$.
+            params = optax.apply_updates(agent.params, jax.tree.map(lambda d: -learning_rate * d, direction))
+            agent = jax.tree.map(lambda new, old: jnp.where(take, new, old), Agent(params, opt_state), agent)
+            return (agent, stopped, broken), (terms, take)
+
+        def epoch(carry: tuple, key: jax.Array) -> tuple[tuple, tuple]:
+            order = jax.random.permutation(key, config.batch_size)
+            return jax.lax.scan(minibatch_step, carry, order.reshape(config.num_minibatches, config.minibatch_size))
+
+        carry = (agent, jnp.array(False), jnp.array(False))
+        (agent, stopped, broken), (terms, taken) = jax.lax.scan(epoch, carry,
+                                                                 jax.random.split(key, config.update_epochs))
+        # Means over the minibatch steps taken, as the PyTorch loop averages the steps it ran.
+        count = taken.sum()
+        losses = {name: jnp.where(count > 0, jnp.where(taken, value, 0.0).sum() / count, jnp.nan)
+                  for name, value in terms.items() if name != "loss"}
+        losses["explained_variance"] = explained_variance(batch.values, batch.returns)
+        return agent, dict(losses=losses, learning_rate=learning_rate, clip_range=clip_range, stopped_early=stopped,
+                           nonfinite=broken)
+
+    return update_agent
+
+
+# ### The loop of training
+#
+# `make_train` returns the pure functions of one agent's run: `init(key)` resets the environments
+# and initialises the network; `collect(runner)` plays the rollout, a scan over `num_steps`;
+# `update(runner)` is one whole iteration of PPO, the rollout, then `update_agent`;
+# `train_chunk(runner, ...)` runs updates one after another, a scan of `update`. `train(key)` is
+# `init`, then `train_chunk` over every update of the run: the entire training of an agent, which
+# `jax.jit(jax.vmap(train))` compiles once into a program that trains one agent per key. The
+# command line runs the same `train_chunk` a part of the run at a time, and between the parts it
+# writes logs and checkpoints.
+#
+# Everything that changes during the run is in the `Runner` that the scans carry; nothing is
+# mutated and nothing is random except through keys that are split and passed along. That is the
+# price of tracing (a `print` or a global counter would run once, at trace time), and also the
+# gift: a run is a function of its key, resuming is restoring a pytree, and `vmap` needs nothing
+# more to batch a run over seeds.
+
+
+class Runner(NamedTuple):
+    """The whole state of one agent's training run, carried from update to update."""
+
+    agent: Agent
+    env_state: Any
+    obs: jax.Array
+    episode_returns: jax.Array
+    """`[num_envs]`: the return of each environment's episode so far, for logging."""
+    episode_lengths: jax.Array
+    key: jax.Array
+    update: jax.Array
+    """Updates done; the schedules read it."""
+
+
+class Training(NamedTuple):
+    """The pure functions of one agent's training run (see `make_train`), and what they train with."""
+
+    init: Callable[[jax.Array], Runner]
+    collect: Callable[[Runner], tuple[Runner, Rollout, tuple]]
+    update: Callable[[Runner], tuple[Runner, dict]]
+    train_chunk: Callable[..., tuple[Runner, dict]]
+    train: Callable[[jax.Array], tuple[Runner, dict]]
+    network: nn.Module
+    env: BatchedEnv
+
+
+def make_train(config: Config, env_id: str | None = None) -> Training:
+    """The training run of one agent on the gymnax environment `env_id` (default: `config.env`), as pure functions.
+
+    `train(key) -> (runner, metrics)` is the whole run, its metrics with a leading `[num_updates]`
+    axis; `jax.jit(jax.vmap(train))(jax.random.split(key, n))` trains `n` agents, one per key, in one
+    compiled program. `train_chunk(runner, count, length)` is a part of it, `count` updates.
+    """
+    env = BatchedEnv(env_id or config.env, config.num_envs)
+    network = make_network(env)
+    optimizer = make_optimizer(config)
+    update_agent = make_update_agent(network, optimizer, config)
+    # Under `vmap` over agents, each agent's network is initialised on its own, one after another,
+    # from the weights it would have alone, rather than all in one batched computation (why: see
+    # Hardware choices, Part 3).
+    init_params = jax.custom_batching.sequential_vmap(network.init)
+
+    def init(key: jax.Array) -> Runner:
+        key, network_key, env_key = jax.random.split(key, 3)
+        obs, env_state = env.reset(env_key)
+        params = init_params(network_key, obs)
+        zeros = jnp.zeros(config.num_envs)
+        return Runner(Agent(params, optimizer.init(params)), env_state, obs, zeros, zeros.astype(jnp.int32), key,
+                      jnp.array(0, jnp.int32))
+
+    def env_step(runner: Runner, _) -> tuple[Runner, tuple[Rollout, tuple]]:
+        """One step of every environment with the current policy: the body of the rollout's scan."""
+        key, action_key, env_key = jax.random.split(runner.key, 3)
+        params = runner.agent.params
+        policy, values = network.apply(params, runner.obs)
+        actions = policy.sample(action_key)
+        obs, env_state, rewards, terminated, truncated, final_obs = env.step(env_key, runner.env_state, actions)
+        # $V(s_{t+1})$ of the observation the step led to. Where nothing ended, `final_obs` is `obs`
+        # and this is the value the next step computes again; where an episode ended, it is the
+        # value of its last observation, which the reset has replaced in `obs`. (XLA drops the
+        # policy head of this second pass, whose result is unused; the MLP's policy tower goes with
+        # it, while the MinAtar CNN's torso, shared by both heads, runs twice.)
+        _, next_values = network.apply(params, final_obs)
+        done = terminated | truncated
+        episode_returns = runner.episode_returns + rewards
+        episode_lengths = runner.episode_lengths + 1
+        step = Rollout(runner.obs, actions, policy.log_prob(actions), values, next_values, rewards, terminated,
+                       truncated)
+        episodes = (done, episode_returns, episode_lengths)
+        runner = runner._replace(env_state=env_state, obs=obs, key=key,
+                                 episode_returns=jnp.where(done, 0.0, episode_returns),
+                                 episode_lengths=jnp.where(done, 0, episode_lengths))
+        return runner, (step, episodes)
+
+    def collect(runner: Runner) -> tuple[Runner, Rollout, tuple]:
+        """`num_steps` steps of every environment: the rollout, and `(ended, returns, lengths)` of its episodes."""
+        runner, (rollout, episodes) = jax.lax.scan(env_step, runner, length=config.num_steps)
+        return runner, rollout, episodes
+
+    def update(runner: Runner) -> tuple[Runner, dict]:
+        """One iteration of PPO: a rollout, then `update_agent` on it, at this update's learning rate and clip range."""
+        runner, rollout, (ended, returns, lengths) = collect(runner)
+        key, update_key = jax.random.split(runner.key)
+        agent, metrics = update_agent(runner.agent, rollout, update_key,
+                                      linear_schedule(config.learning_rate, runner.update, config.num_updates),
+                                      linear_schedule(config.clip_range, runner.update, config.num_updates))
+        # The episodes that ended in this rollout: their mean return and length (NaN if none ended).
+        episodes = ended.sum()
+        metrics.update(episodic_return=jnp.where(episodes > 0, (returns * ended).sum() / episodes, jnp.nan),
+                       episodic_length=jnp.where(episodes > 0, (lengths * ended).sum() / episodes, jnp.nan),
+                       episodes=episodes)
+        return runner._replace(agent=agent, key=key, update=runner.update + 1), metrics
+
+    def skip(runner: Runner) -> tuple[Runner, dict]:
+        """No update: the runner as it was, and metrics of zeros shaped as `update`'s."""
+        metrics = jax.eval_shape(update, runner)[1]
+        return runner, jax.tree.map(lambda shape: jnp.zeros(shape.shape, shape.dtype), metrics)
+
+    def train_chunk(runner: Runner, count: jax.Array | int, length: int) -> tuple[Runner, dict]:
+        """`count` more updates (`count <= length`), as one scan of `length` steps; metrics `[length]`.
+
+        A compiled program has fixed shapes, a scan a fixed length. So that a run cut into chunks
+        of `length` updates compiles one program, its last, shorter chunk included, the steps past
+        `count` are skipped with `lax.cond`: they leave the runner as it was and report zeros. Under
+        `vmap` over agents, `count` is the same for all (`in_axes=None`): a condition that differed
+        between agents would be batched into a `select`, which computes both branches.
+        """
+
+        def step(runner: Runner, index: jax.Array) -> tuple[Runner, dict]:
+            return jax.lax.cond(index < count, update, skip, runner)
+
+        return jax.lax.scan(step, runner, jnp.arange(length))
+
+    def train(key: jax.Array) -> tuple[Runner, dict]:
+        """The whole training run of one agent: `init`, then every update, as one chunk."""
+        return train_chunk(init(key), config.num_updates, config.num_updates)
+
+    return Training(init, collect, update, train_chunk, train, network, env)
+
+
+# ## Part 2: Sampling at speed
+#
+# The gymnax environments of Part 1 need nothing here: they are JAX functions, compiled into the
+# training program with the rest, and `vmap` steps as many of them as the batch asks for. Atari's
+# emulator is C++ and cannot be traced. For `--env Breakout` the games are played in worker
+# processes, several games each, as `ppo_atari.py` plays them, and the rollout is a Python loop
+# around a compiled step of the policy; the update is Part 1's `update_agent`, compiled on its own.
+# Measured on this project's 2-core CPU at the same settings, alternately in one session, this path
+# ran Breakout at 294 steps a second against 677 for `ppo_atari.py` (bfloat16): the games and the
+# inference cost the same, and the difference is all in the update, which XLA's CPU backend runs
+# slower than PyTorch's oneDNN kernels (2.6 s against 0.6 s an iteration).
+# The Atari preset is `ppo_atari.py`'s defaults, so that the two pages can be compared line by line.
+# This path is to be replaced by ale-py's vector environment stepped from inside the compiled
+# program (its XLA interface), as gymnax's are; until then it is kept as it is, working and tested.
+#
 # ### Atari: the game
 #
 # The emulator shows 210 x 160 colour frames at 60 per second and knows nothing of learning. `Game`
 # turns it into what the DQN paper (Mnih et al., 2015) fed its network: an action every 4th frame,
 # the last 4 observations stacked, each grey and shrunk to 84 x 84, rewards clipped to their sign.
-# It is `ppo_atari.py`'s wrapper, and the tests check that the two produce the same frames.
+# It is `ppo_atari.py`'s wrapper, and the tests check that the two produce the same frames. Its
+# settings, the protocol of the Atari experiments, extend `Config`.
+
+
+@dataclass
+class AtariConfig(Config):
+    sticky_actions: float = 0.0
+    """Atari: probability that the emulator repeats the previous action on a frame (0.25: Machado et al.)."""
+    life_loss: bool = True
+    """Atari: end the learning episode when a life is lost (the game goes on)."""
+    noop_max: int = 30
+    """Atari: up to this many no-op frames at the start of each game, a random number of them."""
+    frame_skip: int = 4
+    """Atari: frames each action is repeated for."""
+    max_episode_frames: int = 108_000
+    """Atari: frames after which a game is cut (a truncation): 30 minutes of play at 60 frames a second."""
 
 
 def game_name(env_id: str) -> str:
@@ -781,159 +1133,12 @@ class Workers:
         self.close()
 
 
-# ## The model
+# ### Atari: the same update, fed by workers
 #
-# ### The policy, written out
-#
-# A policy network outputs the parameters of a distribution over actions; PPO needs three things of
-# it: a sample, the log-probability of an action, and the entropy. Both distributions are a few
-# lines of `jax.numpy`. They are `NamedTuple`s, and so pytrees: a network can return one from a
-# jitted function and `vmap` can batch it like any array.
-
-
-class Categorical(NamedTuple):
-    r"""A distribution over `n` discrete actions, $\pi(a) = \mathrm{softmax}(\ell)_a$, given by its logits $\ell$.
-
-    $$\log \pi(a) = \ell_a - \log \textstyle\sum_b e^{\ell_b}, \qquad
-      H = -\textstyle\sum_a \pi(a) \log \pi(a).$$
-
-    `log_softmax` computes the first without overflow (it subtracts the largest logit first).
-    """
-
-    logits: jax.Array
-
-    def sample(self, key: jax.Array) -> jax.Array:
-        return jax.random.categorical(key, self.logits)
-
-    def log_prob(self, actions: jax.Array) -> jax.Array:
-        log_probs = jax.nn.log_softmax(self.logits)
-        return jnp.take_along_axis(log_probs, actions[..., None].astype(jnp.int32), axis=-1)[..., 0]
-
-    def entropy(self) -> jax.Array:
-        log_probs = jax.nn.log_softmax(self.logits)
-        return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
-
-
-class Gaussian(NamedTuple):
-    r"""A diagonal Gaussian over continuous actions, $a \sim \mathcal N(\mu, \mathrm{diag}\,\sigma^2)$, with $\log\sigma$ given.
-
-    $$\log \pi(a) = \sum_i \left[ -\frac{(a_i - \mu_i)^2}{2\sigma_i^2} - \log\sigma_i - \tfrac12 \log 2\pi \right],
-      \qquad H = \sum_i \left[ \tfrac12 + \tfrac12 \log 2\pi + \log\sigma_i \right].$$
-
-    The entropy does not depend on the mean: only a wider policy explores more.
-    """
-
-    mean: jax.Array
-    log_std: jax.Array
-
-    def sample(self, key: jax.Array) -> jax.Array:
-        return self.mean + jnp.exp(self.log_std) * jax.random.normal(key, self.mean.shape)
-
-    def log_prob(self, actions: jax.Array) -> jax.Array:
-        z = (actions - self.mean) * jnp.exp(-self.log_std)
-        return jnp.sum(-0.5 * z**2 - self.log_std - 0.5 * math.log(2 * math.pi), axis=-1)
-
-    def entropy(self) -> jax.Array:
-        return jnp.sum(0.5 + 0.5 * math.log(2 * math.pi) + self.log_std, axis=-1)
-
-
-# ### The actor-critics
-#
-# A flax module is a description of a network: `init(key, obs)` returns its parameters as a
-# pytree, and `apply(params, obs)` runs it. The parameters live outside the module, which is what
-# lets them be carried through `scan`, differentiated by `jax.grad` and batched by `vmap`.
-
-
-def dense(features: int, gain: float = math.sqrt(2), name: str | None = None) -> nn.Dense:
-    r"""A linear layer with orthogonal weights scaled by `gain` and zero biases.
-
-    Orthogonal matrices keep the norm of what passes through, so activations neither explode nor
-    vanish with depth; $\sqrt 2$ makes up for the half of a ReLU's input cut to 0. The policy head
-    starts at gain 0.01, so the first policy is almost uniform; the value head at gain 1.
-    """
-    return nn.Dense(features, kernel_init=nn.initializers.orthogonal(gain), bias_init=nn.initializers.zeros,
-                    name=name)
-
-
-def patches(x: jax.Array, kernel: int, stride: int) -> jax.Array:
-    """`[..., H, W, C] -> [..., H', W', kernel * kernel * C]`: the `kernel x kernel` window under each output pixel.
-
-    With a stride, each `stride x stride` block of pixels is first folded into the channels
-    ("space to depth"), which turns the strided window into a `kernel / stride` window at stride 1;
-    the windows are then `(kernel / stride)^2` shifted slices, side by side.
-    """
-    if stride > 1:
-        *batch, height, width, channels = x.shape
-        height, width = height // stride, width // stride
-        x = x[..., :height * stride, :width * stride, :].reshape(*batch, height, stride, width, stride, channels)
-        x = jnp.swapaxes(x, -4, -3).reshape(*batch, height, width, stride * stride * channels)
-        kernel //= stride
-    height, width = x.shape[-3] - kernel + 1, x.shape[-2] - kernel + 1
-    return jnp.concatenate([x[..., i:i + height, j:j + width, :] for i in range(kernel) for j in range(kernel)],
-                           axis=-1)
-
-
-class Convolution(nn.Module):
-    r"""A convolution without padding, written as a dense layer applied to every window of the input.
-
-    This is the same function as `nn.Conv(features, (kernel, kernel), strides=stride, padding="VALID")`,
-    computed as a matrix product over `patches`. The reason is a pitfall of XLA's CPU backend: inside
-    a loop, and our update is two nested scans, it computes a convolution's gradient with a generic,
-    unoptimised kernel (jax-ml/jax issue 12868). Measured here, one gradient step of the Nature CNN on
-    256 frames took 34 s inside a scan against 0.7 s outside it; as a matrix product it takes 0.5 s
-    in both. The weights are initialised like `dense`'s, gain $\sqrt 2$; `kernel` must be a multiple
-    of `stride`, as it is in both networks below.
-    """
-
-    features: int
-    kernel: int
-    stride: int = 1
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return dense(self.features)(patches(x, self.kernel, self.stride))
-
-
-class MLPActorCritic(nn.Module):
-    r"""For vector observations: a policy network and a value network, each two 64-unit tanh layers.
-
-    The two share nothing, as in PPO's MuJoCo experiments: networks this small gain nothing from
-    sharing, and the value loss cannot disturb the policy's features. For continuous actions the
-    policy outputs the Gaussian's mean; its log standard deviation is a parameter of its own, the
-    same in every state, starting at 0 ($\sigma = 1$).
-    """
-
-    action_dim: int
-    continuous: bool = False
-
-    @nn.compact
-    def __call__(self, obs: jax.Array) -> tuple[Categorical | Gaussian, jax.Array]:
-        def tower(name: str, outputs: int, gain: float) -> jax.Array:
-            hidden = nn.tanh(dense(64, name=f"{name}_hidden_0")(obs))
-            hidden = nn.tanh(dense(64, name=f"{name}_hidden_1")(hidden))
-            return dense(outputs, gain, name=name)(hidden)
-
-        policy_output = tower("policy", self.action_dim, gain=0.01)
-        values = tower("value", 1, gain=1.0)[..., 0]
-        if not self.continuous:
-            return Categorical(policy_output), values
-        log_std = self.param("log_std", nn.initializers.zeros, (self.action_dim,))
-        return Gaussian(policy_output, jnp.broadcast_to(log_std, policy_output.shape)), values
-
-
-class MinAtarActorCritic(nn.Module):
-    """For MinAtar's 10 x 10 grids of 0/1 channels: the network of the MinAtar paper, shared by two heads.
-
-    One 3 x 3 convolution of 16 filters and a 128-unit layer (Young and Tian, 2019).
-    """
-
-    n_actions: int
-
-    @nn.compact
-    def __call__(self, obs: jax.Array) -> tuple[Categorical, jax.Array]:
-        hidden = nn.relu(Convolution(16, kernel=3)(obs))                   # 10 x 10 x C -> 8 x 8 x 16
-        hidden = nn.relu(dense(128)(hidden.reshape(*hidden.shape[:-3], -1)))
-        return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
+# The emulator runs outside JAX, so the rollout is a Python loop as in `ppo_atari.py`: at each step
+# a jitted `act` picks the actions of all games from their frames, and the workers play them. The
+# rollout is kept in numpy arrays on the host and handed whole to the jitted `update_agent`, the
+# very function the compiled run uses. The network is the DQN paper's.
 
 
 class NatureActorCritic(nn.Module):
@@ -955,476 +1160,7 @@ class NatureActorCritic(nn.Module):
         return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
 
 
-# ## Generalized advantage estimation
-#
-# The policy gradient needs to know how much better an action was than the policy's average at
-# that state: the advantage $A_t$. GAE (Schulman et al., 2016) blends estimates of it from one step
-# to the whole rollout. A Python loop over time steps would be unrolled by the tracer into
-# `num_steps` copies of its body; `jax.lax.scan` compiles the body once and loops over it.
-
-
-def compute_gae(rewards: jax.Array, values: jax.Array, next_values: jax.Array, terminated: jax.Array,
-                truncated: jax.Array, gamma: float, gae_lambda: float) -> tuple[jax.Array, jax.Array]:
-    r"""Advantages and returns for a rollout; every argument is `[num_steps, num_envs]`.
-
-    With the TD error of step $t$
-
-    $$\delta_t = r_t + \gamma (1 - \mathrm{terminated}_t) V(s_{t+1}) - V(s_t),$$
-
-    the advantage is the exponentially weighted sum of the TD errors that follow, cut where the
-    episode ends:
-
-    $$\hat A_t = \delta_t + \gamma \lambda (1 - \mathrm{done}_t) \hat A_{t+1},
-      \qquad \mathrm{done}_t = \mathrm{terminated}_t \lor \mathrm{truncated}_t ,$$
-
-    computed backwards from the last step with `scan(..., reverse=True)`, the carry being
-    $\hat A_{t+1}$. The returns the value function regresses to are $\hat A_t + V(s_t)$.
-
-    `next_values[t]` is $V(s_{t+1})$ of the observation step $t$ led to, *before* any reset: where
-    an episode ended, the environment has already moved on to the next one, and the caller
-    supplies the value of the ended episode's final observation.
-
-    **Why termination and truncation stay apart.** A termination (the pole fell, the game is over)
-    has no future: the value after it is 0. A truncation (CartPole's 500-step limit, Atari's frame
-    cap) only means we stopped watching: the episode would have gone on earning reward, so
-    $\delta_t$ bootstraps from $V$ of the final observation, while the sum over later TD errors is
-    still cut, since those belong to the next episode. PureJaxRL folds both into one `done` that
-    zeroes the bootstrap: on CartPole-v1 every perfect episode ends by truncation at step 500, and
-    folding teaches the critic that a balanced pole is worth nothing after 500 steps, a fact it
-    cannot see in its observation (there is no clock in it). That biases the value of every state
-    near the limit towards 0, and the advantages of the actions taken there with it; Pardo et al.
-    (2018) measure the harm.
-    """
-    not_terminated = 1.0 - terminated.astype(jnp.float32)
-    not_done = 1.0 - (terminated | truncated).astype(jnp.float32)
-    deltas = rewards + gamma * not_terminated * next_values - values
-
-    def backwards(next_advantage: jax.Array, step: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        delta, not_done = step
-        advantage = delta + gamma * gae_lambda * not_done * next_advantage
-        return advantage, advantage
-
-    _, advantages = jax.lax.scan(backwards, jnp.zeros_like(deltas[0]), (deltas, not_done), reverse=True)
-    return advantages, advantages + values
-
-
-# ## The clipped objective
-#
-# A policy gradient step is only accurate near the policy that collected the data. PPO takes many
-# minibatch steps on one batch and keeps the new policy near the old one by taking away any gain
-# from moving the probability ratio $r_t(\theta) = \pi_\theta(a_t|s_t) / \pi_{\theta_\text{old}}(a_t|s_t)$
-# outside $[1 - \epsilon, 1 + \epsilon]$.
-
-
-class LossTerms(NamedTuple):
-    loss: jax.Array
-    policy_loss: jax.Array
-    value_loss: jax.Array
-    entropy: jax.Array
-    approx_kl: jax.Array
-    clipfrac: jax.Array
-
-
-def ppo_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.Array, values: jax.Array,
-             old_values: jax.Array, returns: jax.Array, entropy: jax.Array, clip_range: float | jax.Array,
-             vf_coef: float, ent_coef: float) -> LossTerms:
-    r"""PPO's loss on a minibatch (advantages already normalised), to be minimised.
-
-    The policy term is the negated clipped surrogate of Schulman et al. (2017, eq. 7):
-
-    $$L^\text{CLIP} = -\mathbb{E}_t\left[\min\left(r_t \hat A_t,\;
-      \mathrm{clip}(r_t, 1 - \epsilon, 1 + \epsilon)\, \hat A_t\right)\right].$$
-
-    The minimum makes it pessimistic: once the ratio has moved past the clip in the direction the
-    advantage favours, the clipped term is the smaller and constant in $\theta$, and its gradient
-    is zero; if the ratio moved the wrong way, the unclipped term is taken and pulls it back.
-
-    The value term clips the same way around the old prediction, as the paper's reference code
-    does, and takes the larger error:
-
-    $$L^V = \tfrac12 \mathbb{E}_t \max\left((V - R)^2,\;
-      (V_\text{old} + \mathrm{clip}(V - V_\text{old}, -\epsilon, \epsilon) - R)^2\right).$$
-
-    The entropy bonus $S$ keeps the policy from collapsing early. In all,
-    $L = L^\text{CLIP} + c_V L^V - c_S S$.
-
-    `approx_kl` estimates $\mathrm{KL}(\pi_\text{old} \,\|\, \pi_\theta)$ with
-    $\mathbb{E}[(r - 1) - \log r]$, unbiased and never negative (Schulman, "Approximating KL
-    divergence", 2020); `clipfrac` is the share of samples whose ratio is outside the clip. Both are
-    diagnostics: `stop_gradient` keeps them out of the derivative.
-    """
-    log_ratio = log_probs - old_log_probs
-    ratio = jnp.exp(log_ratio)
-    # Clip the ratio so one update cannot move the policy far: $\mathrm{clip}(r_t, 1-\epsilon, 1+\epsilon)$.
-    clipped_ratio = jnp.clip(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    policy_loss = jnp.maximum(-advantages * ratio, -advantages * clipped_ratio).mean()
-
-    clipped_values = old_values + jnp.clip(values - old_values, -clip_range, clip_range)
-    value_loss = 0.5 * jnp.maximum((values - returns) ** 2, (clipped_values - returns) ** 2).mean()
-
-    entropy = entropy.mean()
-    loss = policy_loss + vf_coef * value_loss - ent_coef * entropy
-    ratio, log_ratio = jax.lax.stop_gradient((ratio, log_ratio))
-    approx_kl = ((ratio - 1.0) - log_ratio).mean()
-    clipfrac = (jnp.abs(ratio - 1.0) > clip_range).astype(jnp.float32).mean()
-    return LossTerms(loss, policy_loss, value_loss, entropy, approx_kl, clipfrac)
-
-
-def linear_schedule(initial: float, update: int | jax.Array, num_updates: int) -> jax.Array:
-    """`initial` annealed linearly: the full value at update 0, `initial / num_updates` at the last."""
-    return initial * (1.0 - update / num_updates)
-
-
-def explained_variance(predictions: jax.Array, targets: jax.Array) -> jax.Array:
-    r"""$1 - \mathrm{Var}[y - \hat y] / \mathrm{Var}[y]$: 1 for a perfect value function, 0 for a constant one."""
-    variance = targets.var()
-    return jnp.where(variance == 0, jnp.nan, 1.0 - (targets - predictions).var() / variance)
-
-
-# ## The update
-#
-# Both paths of this page, the compiled run on gymnax and the Atari trainer, end every rollout in
-# the same function: `update_agent` turns a rollout into advantages and runs `update_epochs` passes
-# of shuffled minibatches over it. In PyTorch these are two `for` loops; here they are two nested
-# scans, the outer over epochs (each with its own shuffle), the inner over minibatches. A scan has no
-# `break`, so the two ways an update can stop early, a KL divergence past `--target-kl` and a
-# non-finite gradient, become a flag in the carry that turns the remaining steps into no-ops.
-
-
-class Agent(NamedTuple):
-    """Everything that learns: the network's parameters and the optimizer's state (Adam's moments)."""
-
-    params: Any
-    opt_state: Any
-
-
-class Rollout(NamedTuple):
-    """`num_steps` steps of `num_envs` environments; every field has leading axes `[num_steps, num_envs]`."""
-
-    obs: jax.Array
-    actions: jax.Array
-    log_probs: jax.Array
-    values: jax.Array
-    next_values: jax.Array
-    rewards: jax.Array
-    terminated: jax.Array
-    truncated: jax.Array
-
-
-class Batch(NamedTuple):
-    """A rollout flattened into `batch_size` transitions, with their advantages and returns."""
-
-    obs: jax.Array
-    actions: jax.Array
-    log_probs: jax.Array
-    values: jax.Array
-    advantages: jax.Array
-    returns: jax.Array
-
-
-def make_optimizer(config: Config) -> optax.GradientTransformation:
-    r"""Clip the gradient's global norm, then Adam's direction with $\epsilon = 10^{-5}$ (PPO's reference code).
-
-    The learning rate is not part of it: `update_agent` multiplies Adam's direction by the annealed
-    rate of each update, so the schedule lives in one visible line rather than in the optimizer's
-    step count.
-    """
-    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optax.scale_by_adam(eps=1e-5))
-
-
-def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformation, config: Config) -> Callable:
-    """`update_agent(agent, rollout, key, learning_rate, clip_range) -> (agent, metrics)`: one PPO update, pure.
-
-    The learning rate and the clip range are arguments, computed by the caller from its schedule:
-    the compiled update then does not depend on the length of the run, and a resumed run that
-    extends it reuses the same program.
-    """
-
-    def loss_fn(params: Any, minibatch: Batch, clip_range: jax.Array) -> tuple[jax.Array, LossTerms]:
-        policy, values = network.apply(params, minibatch.obs)
-        # Normalise advantages per minibatch: the gradient's scale no longer depends on the rewards',
-        # and about half the actions are pushed up, half down.
-        advantages = minibatch.advantages
-        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-        terms = ppo_loss(policy.log_prob(minibatch.actions), minibatch.log_probs, advantages, values,
-                         minibatch.values, minibatch.returns, policy.entropy(), clip_range,
-                         config.vf_coef, config.ent_coef)
-        return terms.loss, terms
-
-    def update_agent(agent: Agent, rollout: Rollout, key: jax.Array, learning_rate: jax.Array,
-                     clip_range: jax.Array) -> tuple[Agent, dict]:
-        advantages, returns = compute_gae(rollout.rewards, rollout.values, rollout.next_values, rollout.terminated,
-                                          rollout.truncated, config.gamma, config.gae_lambda)
-        batch = jax.tree.map(lambda x: x.reshape(config.batch_size, *x.shape[2:]),
-                             Batch(rollout.obs, rollout.actions, rollout.log_probs, rollout.values, advantages, returns))
-
-        def minibatch_step(carry: tuple, indices: jax.Array) -> tuple[tuple, tuple]:
-            agent, stopped, broken = carry
-            minibatch = jax.tree.map(lambda x: x[indices], batch)
-            (_, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(agent.params, minibatch, clip_range)
-            if config.target_kl is not None:
-                stopped = stopped | (terms.approx_kl > config.target_kl)
-            broken = broken | ~jnp.isfinite(optax.tree.norm(grads))
-            take = ~(stopped | broken)
-            direction, opt_state = optimizer.update(grads, agent.opt_state)
-            # Adam's step: $\theta \leftarrow \theta - \alpha_k \cdot \mathrm{direction}$, with this update's rate $\alpha_k$.
-            params = optax.apply_updates(agent.params, jax.tree.map(lambda d: -learning_rate * d, direction))
-            agent = jax.tree.map(lambda new, old: jnp.where(take, new, old), Agent(params, opt_state), agent)
-            return (agent, stopped, broken), (terms, take)
-
-        def epoch(carry: tuple, key: jax.Array) -> tuple[tuple, tuple]:
-            order = jax.random.permutation(key, config.batch_size)
-            return jax.lax.scan(minibatch_step, carry, order.reshape(config.num_minibatches, config.minibatch_size))
-
-        carry = (agent, jnp.array(False), jnp.array(False))
-        (agent, stopped, broken), (terms, taken) = jax.lax.scan(epoch, carry,
-                                                                 jax.random.split(key, config.update_epochs))
-        # Means over the minibatch steps taken, as the PyTorch loop averages the steps it ran.
-        count = taken.sum()
-        metrics = {name: jnp.where(count > 0, jnp.where(taken, value, 0.0).sum() / count, jnp.nan)
-                   for name, value in terms._asdict().items() if name != "loss"}
-        metrics.update(explained_variance=explained_variance(batch.values, batch.returns),
-                       learning_rate=learning_rate, clip_range=clip_range, stopped_early=stopped, nonfinite=broken)
-        return agent, metrics
-
-    return update_agent
-
-
-# ## The whole run as one program
-#
-# `build_training` returns the pure functions of one agent's run: `init(key)` resets the
-# environments and initialises the network; `collect(runner)` plays the rollout, a scan over
-# `num_steps`; `update(runner)` is one whole iteration of PPO, the rollout, then `update_agent`.
-# `make_train` chains them into `train(key)`, a scan of `update` over every update of the run: the
-# entire training of an agent, which `jax.jit(jax.vmap(train))` compiles once into a program that
-# trains one agent per key.
-#
-# Everything that changes during the run is in the `Runner` that the scans carry; nothing is
-# mutated and nothing is random except through keys that are split and passed along. That is the
-# price of tracing (a `print` or a global counter would run once, at trace time), and also the
-# gift: a run is a function of its key, resuming is restoring a pytree, and `vmap` needs nothing
-# more to batch a run over seeds.
-
-
-class Runner(NamedTuple):
-    """The whole state of one agent's training run, carried from update to update."""
-
-    agent: Agent
-    env_state: Any
-    obs: jax.Array
-    episode_returns: jax.Array
-    """`[num_envs]`: the return of each environment's episode so far, for logging."""
-    episode_lengths: jax.Array
-    key: jax.Array
-    update: jax.Array
-    """Updates done; the schedules read it."""
-
-
-class Training(NamedTuple):
-    init: Callable[[jax.Array], Runner]
-    collect: Callable[[Runner], tuple[Runner, Rollout, tuple]]
-    update: Callable[[Runner], tuple[Runner, dict]]
-    num_updates: int
-    network: nn.Module
-    env: BatchedEnv
-
-
-def make_network(family: str, env: BatchedEnv) -> nn.Module:
-    if family == "MinAtar":
-        return MinAtarActorCritic(env.action_dim)
-    return MLPActorCritic(env.action_dim, continuous=env.continuous)
-
-
-def build_training(config: Config, env_id: str | None = None) -> Training:
-    """The pure functions of a training run on the gymnax environment `env_id` (default: `config.env`)."""
-    env_id, family = resolve_env(env_id or config.env)
-    env = BatchedEnv(env_id, config.num_envs)
-    network = make_network(family, env)
-    optimizer = make_optimizer(config)
-    update_agent = make_update_agent(network, optimizer, config)
-
-    # Under `vmap` over seeds, `network.init` would factorise a batch of matrices at once for the
-    # orthogonal initialisation, and jaxlib 0.10.2's batched QR on the CPU can deadlock: its LAPACK
-    # kernel waits for sub-tasks on the thread pool that its own calls fill. On this project's
-    # 2-core CPU, initialising 16 CartPole agents hung within its first three calls in each of two
-    # tries, and so did a 16-seed benchmark. On the CPU, `sequential_vmap` makes `vmap` run it as a
-    # loop over the seeds, one matrix at a time; it runs once per training run, so the loop costs
-    # nothing. Other backends keep the batched factorisation: a loop over a seed axis that is split
-    # over devices would first gather the keys onto every device.
-    init_params = network.init
-    if jax.default_backend() == "cpu":
-        init_params = jax.custom_batching.sequential_vmap(network.init)
-
-    def init(key: jax.Array) -> Runner:
-        key, network_key, env_key = jax.random.split(key, 3)
-        obs, env_state = env.reset(env_key)
-        params = init_params(network_key, obs)
-        zeros = jnp.zeros(config.num_envs)
-        return Runner(Agent(params, optimizer.init(params)), env_state, obs, zeros, zeros.astype(jnp.int32), key,
-                      jnp.array(0, jnp.int32))
-
-    def env_step(runner: Runner, _) -> tuple[Runner, tuple[Rollout, tuple]]:
-        """One step of every environment with the current policy: the body of the rollout's scan."""
-        key, action_key, env_key = jax.random.split(runner.key, 3)
-        params = runner.agent.params
-        policy, values = network.apply(params, runner.obs)
-        actions = policy.sample(action_key)
-        obs, env_state, rewards, terminated, truncated, final_obs = env.step(env_key, runner.env_state, actions)
-        # $V(s_{t+1})$ of the observation the step led to. Where nothing ended, `final_obs` is `obs`
-        # and this is the value the next step computes again; where an episode ended, it is the
-        # value of its last observation, which the reset has replaced in `obs`. (XLA drops the
-        # policy head of this second pass, whose result is unused; the MLP's policy tower goes with
-        # it, while the MinAtar CNN's torso, shared by both heads, runs twice.)
-        _, next_values = network.apply(params, final_obs)
-        done = terminated | truncated
-        episode_returns = runner.episode_returns + rewards
-        episode_lengths = runner.episode_lengths + 1
-        step = Rollout(runner.obs, actions, policy.log_prob(actions), values, next_values, rewards, terminated,
-                       truncated)
-        episodes = (done, episode_returns, episode_lengths)
-        runner = runner._replace(env_state=env_state, obs=obs, key=key,
-                                 episode_returns=jnp.where(done, 0.0, episode_returns),
-                                 episode_lengths=jnp.where(done, 0, episode_lengths))
-        return runner, (step, episodes)
-
-    def collect(runner: Runner) -> tuple[Runner, Rollout, tuple]:
-        """`num_steps` steps of every environment: the rollout, and `(ended, returns, lengths)` of its episodes."""
-        runner, (rollout, episodes) = jax.lax.scan(env_step, runner, length=config.num_steps)
-        return runner, rollout, episodes
-
-    def update(runner: Runner) -> tuple[Runner, dict]:
-        runner, rollout, (ended, returns, lengths) = collect(runner)
-        key, update_key = jax.random.split(runner.key)
-        agent, metrics = update_agent(runner.agent, rollout, update_key,
-                                      linear_schedule(config.learning_rate, runner.update, config.num_updates),
-                                      linear_schedule(config.clip_range, runner.update, config.num_updates))
-        # The episodes that ended in this rollout: their mean return and length (NaN if none ended).
-        episodes = ended.sum()
-        metrics.update(episodic_return=jnp.where(episodes > 0, (returns * ended).sum() / episodes, jnp.nan),
-                       episodic_length=jnp.where(episodes > 0, (lengths * ended).sum() / episodes, jnp.nan),
-                       episodes=episodes)
-        return runner._replace(agent=agent, key=key, update=runner.update + 1), metrics
-
-    return Training(init, collect, update, config.num_updates, network, env)
-
-
-def make_train(config: Config) -> Callable[[jax.Array], tuple[Runner, dict]]:
-    """`train(key) -> (runner, metrics)`: a whole training run, pure. Metrics have a leading `[num_updates]` axis.
-
-    `jax.jit(jax.vmap(train))(jax.random.split(key, n))` trains `n` agents in one compiled program;
-    with the keys placed over several devices first, `jax.device_put(keys, split_over_seeds(mesh))`,
-    the same call trains each device's share of them there (see the next section). On CPU devices
-    the initialisation, a loop over the seeds there (see `build_training`), first gathers the keys
-    onto every device; the command line initialises on one device and places the runners instead.
-    """
-    training = build_training(config)
-
-    def train(key: jax.Array) -> tuple[Runner, dict]:
-        return jax.lax.scan(lambda runner, _: training.update(runner), training.init(key),
-                            length=training.num_updates)
-
-    return train
-
-
-def make_run_updates(training: Training, length: int) -> Callable:
-    """`run_updates(runners, count)`: `count <= length` more updates of every agent, and their metrics.
-
-    This is what the command line runs, a piece of the run at a time, so that it can report
-    progress, write TensorBoard events and checkpoints between pieces. The scan's length is fixed
-    at `length` and the updates past `count` are skipped with `lax.cond`, so that the last, shorter
-    piece reuses the compiled program instead of compiling another. (`count` is the same for every
-    agent, outside the `vmap`: a condition that differed between agents would be batched into a
-    `select`, which computes both branches.)
-
-    A compiled program can also call back into Python as it runs (`jax.debug.callback`), to print
-    progress after every update, say. We report between pieces instead: JAX refuses to store a
-    program with a host callback in its persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`),
-    which otherwise spares a second run of the same configuration its compilation.
-    """
-    update_all = jax.vmap(training.update)
-
-    def skip(runners: Runner) -> tuple[Runner, dict]:
-        shapes = jax.eval_shape(update_all, runners)[1]
-        return runners, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-    def run_updates(runners: Runner, count: jax.Array) -> tuple[Runner, dict]:
-        def body(runners: Runner, index: jax.Array) -> tuple[Runner, dict]:
-            return jax.lax.cond(index < count, update_all, skip, runners)
-
-        return jax.lax.scan(body, runners, jnp.arange(length))
-
-    return run_updates
-
-
-# ### Across devices (optional)
-#
-# The agents of `--num-seeds` share nothing, so with several devices (GPUs, say) each can train its
-# share of them with no word to the others. The simplest way to say so in JAX is to say nothing new
-# about the computation, only about where its data lies: the runners are placed with their first
-# axis, the agents', split over a one-dimensional `Mesh` of the devices, by a `NamedSharding` of
-# `PartitionSpec("seeds")`, and `jax.jit` compiles the same program for data laid out that way.
-# XLA's partitioner follows the seed axis through the vmapped run, and as no operation mixes two
-# agents, every device runs the whole program on its own agents and no array moves between devices
-# (a test checks that the compiled program holds no collective operation). `shard_map` would say
-# the same by hand, per device: it would need a spec for every input and output, and its check of
-# which values vary across devices turned off, since this code was written without it. The layout
-# of the outputs is stated too (`out_shardings`), so that a piece's runners go into the next piece
-# laid out as the compiled program expects.
-#
-# Every device runs the same program, on as many agents as each other one, so the agents must split
-# evenly. Rather than refuse a run, we use the most devices they split over: 6 agents on 4 devices
-# train on 3 of them, 2 each; 5 agents train on one. The run prints what it uses. On one device
-# nothing changes. On several, the results agree with one device's to rounding, not bit for bit: a
-# device runs the program on fewer agents at once, and XLA may compile a batch of another size into
-# another order of the same sums. Over a long run the difference grows (a sampled action flips, and
-# the episodes part ways): the runs are equally good samples of training, not the same sample. The
-# checkpoint does not depend on the devices (`jax.device_get` gathers a sharded array into one), so
-# a run started on two devices can be resumed or evaluated on one.
-#
-# An Atari run is not spread. It trains one agent, so the devices would have to split its batch and
-# add up their gradients at every minibatch; and its time goes to the emulators, on the CPU.
-
-SEED_AXIS = "seeds"
-
-
-def seed_mesh(num_seeds: int, devices: list | None = None) -> Mesh:
-    """A one-dimensional mesh of the most devices (of `devices`, default all) that split `num_seeds` agents evenly."""
-    devices = devices or jax.devices()
-    count = max(n for n in range(1, len(devices) + 1) if num_seeds % n == 0)
-    return Mesh(np.array(devices[:count]), (SEED_AXIS,))
-
-
-def split_over_seeds(mesh: Mesh, axis: int = 0) -> NamedSharding:
-    """The layout of arrays whose agent axis is `axis`: that axis split over the devices of `mesh`."""
-    return NamedSharding(mesh, PartitionSpec(*[None] * axis, SEED_AXIS))
-
-
-def compile_run_updates(training: Training, length: int, runners: Runner, mesh: Mesh) -> Callable:
-    """`make_run_updates` compiled for `runners` placed on `mesh`; its metrics are `[updates, agents]`, split too."""
-    run_updates = jax.jit(make_run_updates(training, length),
-                          out_shardings=(split_over_seeds(mesh), split_over_seeds(mesh, axis=1)))
-    return run_updates.lower(runners, jnp.int32(0)).compile()
-
-
-def describe_devices(mesh: Mesh, num_seeds: int) -> str:
-    """One line: the devices used, how many agents each trains, and why some are left idle."""
-    available = len(jax.devices())
-    line = f"devices: {mesh.size} × {mesh.devices.flat[0].platform} ({num_seeds // mesh.size} agent(s) per device"
-    if mesh.size < available:
-        idle = available - mesh.size
-        line += f"; {idle} of the {available} left idle: {num_seeds} agent(s) split evenly over no more"
-    return line + ")"
-
-
-# ## Atari: the same update, fed by workers
-#
-# The emulator runs outside JAX, so the rollout is a Python loop as in `ppo_atari.py`: at each step
-# a jitted `act` picks the actions of all games from their frames, and the workers play them. The
-# rollout is kept in numpy arrays on the host and handed whole to the jitted `update_agent`, the
-# very function the compiled run uses.
-
-
-def make_atari_functions(network: nn.Module, optimizer: optax.GradientTransformation, config: Config) -> tuple:
+def make_atari_functions(network: nn.Module, optimizer: optax.GradientTransformation, config: AtariConfig) -> tuple:
     """`act(params, obs, key)`, `value_of(params, obs)` and `update_agent`, each jitted."""
 
     @jax.jit
@@ -1444,7 +1180,7 @@ def make_atari_functions(network: nn.Module, optimizer: optax.GradientTransforma
 class AtariTrainer:
     """The host side of an Atari run: the workers, the agent, the rollout storage, the counters."""
 
-    def __init__(self, config: Config, envs: Workers, key: jax.Array):
+    def __init__(self, config: AtariConfig, envs: Workers, key: jax.Array):
         self.config = config
         self.envs = envs
         self.network = NatureActorCritic(envs.n_actions)
@@ -1518,7 +1254,7 @@ class AtariTrainer:
         agent, metrics = self.update_agent(self.agent, jax.tree.map(jnp.asarray, rollout), update_key,
                                            linear_schedule(self.config.learning_rate, self.update, self.config.num_updates),
                                            linear_schedule(self.config.clip_range, self.update, self.config.num_updates))
-        metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
+        metrics = jax.tree.map(float, jax.device_get(metrics))
         if metrics["nonfinite"]:
             raise NonFiniteError(f"the loss or its gradient became non-finite at update {self.update + 1}; "
                                  "no step was taken from there on")
@@ -1528,11 +1264,330 @@ class AtariTrainer:
         return metrics
 
 
-class NonFiniteError(RuntimeError):
-    """The loss or gradient became NaN or infinite."""
+# ## Part 3: Running it for real
+#
+# Part 1's functions, run as a program: a command line derived from `Config`, which refuses what
+# cannot work before anything compiles or starts; the hardware choices; checkpoints; TensorBoard
+# events and a progress line; Ctrl-C; the two training runs, gymnax's (the program of `make_train`,
+# run a chunk at a time) and Atari's (through Part 2's workers); evaluation; and `main()`.
+#
+# ### The command line
+#
+# The command line sets the fields of `Config` (and of Part 2's `AtariConfig`) and those of one
+# invocation: where the run's files go, how often it writes a checkpoint, which checkpoint to resume
+# or evaluate, where JAX runs and how Atari's workers start. `RunConfig` adds the second kind to the
+# first. A resumed run takes its hyperparameters from the checkpoint, but these from the command line
+# (or their defaults).
 
 
-# ## Checkpoints
+@dataclass
+class RunConfig(AtariConfig):
+    num_workers: int = 0
+    """Atari: processes that play the games (0: one per CPU core, at most one per game)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where JAX runs (`auto`: a GPU when JAX finds one)."""
+    start_method: Literal["default", "fork", "spawn", "forkserver"] = "default"
+    """Atari: how worker processes are started (`default`: the platform's own)."""
+    run_dir: str | None = None
+    """Where TensorBoard events and checkpoints go (default: runs/<env>__<seed>__<time>)."""
+    checkpoint_every: int = 100
+    """Write checkpoint.msgpack every this many updates (and always at the end and on Ctrl-C)."""
+    resume: str | None = None
+    """Continue training from this checkpoint with its settings; flags given override them (a larger
+    `--total-timesteps` extends the run, and the annealing stretches over the new length)."""
+    eval: str | None = None
+    """Play `eval_episodes` episodes with the policy in this checkpoint (each agent's) and print the return."""
+    eval_episodes: int = 10
+    """Episodes to play with `--eval`."""
+    capture_video: bool = False
+    """Atari: with `--eval`, write each game to an mp4 in <run dir>/videos."""
+
+
+RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.name for field in dataclasses.fields(AtariConfig)}
+
+
+# Each kind of environment starts from its own settings; classic control's are the defaults above.
+# Atari's are baselines' (`ppo2`) Atari defaults, which are also `ppo_atari.py`'s: 8 games, a clip
+# range of 0.1 annealed, 10M steps, and otherwise the defaults above. CleanRL's `ppo_atari.py` has
+# the same numbers but keeps its clip range constant; the PPO paper's Table 5 has 3 epochs and a
+# value coefficient of 1. MinAtar's follow PureJaxRL's scale of a batch (64 environments) and have
+# not been tuned. Pendulum's were found here, in the style of rl-zoo's (a short discount, large
+# batches, ten epochs, no entropy bonus), not the PPO paper's MuJoCo settings (its Table 3: one
+# actor, a horizon of 2048, 10 epochs of minibatches of 64, 3e-4, a discount of 0.99): with them four
+# agents reached returns between -147 and -159 in 1M steps each (a random policy scores about -1,200).
+PRESETS: dict[str, dict[str, Any]] = {
+    "classic control": {},
+    "continuous control": dict(total_timesteps=1_000_000, num_envs=16, num_steps=256, num_minibatches=32,
+                               update_epochs=10, learning_rate=1e-3, gamma=0.95, ent_coef=0.0),
+    "MinAtar": dict(total_timesteps=10_000_000, num_envs=64, num_minibatches=8, learning_rate=5e-4),
+    "Atari": dict(total_timesteps=10_000_000, num_envs=8, clip_range=0.1),
+}
+
+
+class ConfigError(Exception):
+    """A mistake in what the user asked for: reported in one line, exit status 2."""
+
+
+PROG = Path(__file__).name
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The string literal under each field of a dataclass and of the dataclasses it extends, read from their source."""
+    docs = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body[0].body
+        for node, following in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
+                    and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
+                docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def parse_int(text: str) -> int:
+    """An integer, also written as `10_000_000` or `1e7`."""
+    try:
+        return int(text)
+    except ValueError:
+        value = float(text)
+        if not value.is_integer():
+            raise ValueError(text) from None
+        return int(value)
+
+
+parse_int.__name__ = "integer"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a mistake is one line on stderr and exit status 2, without the usage block."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, one flag per field of `RunConfig` (and so of `Config`).
+
+    Flags the user did not type are absent from the parsed namespace (`argparse.SUPPRESS`), so the
+    presets and a resumed run's checkpoint can tell an explicit `--total-timesteps` from the default.
+    """
+    parser = OneLineParser(prog=PROG,
+                           description="PPO in JAX, annotated. See the module docstring.",
+                           argument_default=argparse.SUPPRESS)
+    docs = field_docs(RunConfig)
+    hints = typing.get_type_hints(RunConfig)
+    for field in dataclasses.fields(RunConfig):
+        flag = "--" + field.name.replace("_", "-")
+        kind = hints[field.name]
+        presets = "".join(f"; {family}: {preset[field.name]}" for family, preset in PRESETS.items()
+                          if field.name in preset)
+        help_text = f"{docs.get(field.name, '')} (default: {field.default}{presets})"
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+            continue
+        if typing.get_origin(kind) is Literal:
+            parser.add_argument(flag, choices=typing.get_args(kind), help=help_text)
+            continue
+        if type(None) in typing.get_args(kind):
+            kind = next(t for t in typing.get_args(kind) if t is not type(None))
+        parser.add_argument(flag, type=parse_int if kind is int else kind, metavar=field.name.upper(),
+                            help=help_text)
+    return parser
+
+
+def check_config(config: RunConfig, family: str) -> None:
+    """Refuse settings that cannot work, before any process starts or anything compiles."""
+    positive = ["num_seeds", "total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs",
+                "frame_skip", "max_episode_frames", "checkpoint_every", "eval_episodes"]
+    for name in positive:
+        if getattr(config, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
+    for name in ["learning_rate", "clip_range", "max_grad_norm"]:
+        if not getattr(config, name) > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
+    for name in ["gamma", "gae_lambda", "sticky_actions"]:
+        if not 0 <= getattr(config, name) <= 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1], not {getattr(config, name)}")
+    for name in ["ent_coef", "vf_coef", "noop_max", "num_workers"]:
+        if getattr(config, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must not be negative, not {getattr(config, name)}")
+    if config.target_kl is not None and not config.target_kl > 0:
+        raise ConfigError(f"--target-kl must be positive, not {config.target_kl}")
+    if config.batch_size % config.num_minibatches:
+        raise ConfigError(f"the batch of {config.num_envs} envs x {config.num_steps} steps = {config.batch_size} "
+                          f"does not split into {config.num_minibatches} minibatches")
+    if config.eval is None and config.total_timesteps < config.batch_size:
+        raise ConfigError(f"--total-timesteps {config.total_timesteps} is less than one batch "
+                          f"({config.batch_size} = num envs x num steps)")
+    if config.num_workers > config.num_envs:
+        raise ConfigError(f"--num-workers {config.num_workers} is more than --num-envs {config.num_envs}")
+    if config.max_episode_frames <= config.noop_max + 2 * config.frame_skip:
+        raise ConfigError(f"--max-episode-frames {config.max_episode_frames} leaves no room to play "
+                          f"after {config.noop_max} no-ops")
+    if config.eval is not None and config.resume is not None:
+        raise ConfigError("--eval and --resume cannot be used together")
+    if family == "Atari" and config.num_seeds > 1:
+        raise ConfigError("--num-seeds trains agents side by side in one compiled program, which needs an "
+                          "environment written in JAX; an Atari run trains one agent")
+    if config.capture_video and (config.eval is None or family != "Atari"):
+        raise ConfigError("--capture-video records Atari evaluation games; use it with --eval CHECKPOINT "
+                          "of an Atari run")
+
+
+# The environments this page trains on, by kind; each kind starts from its preset in Part 1. Any
+# other name is tried as an Atari game.
+GYMNAX_FAMILIES = {
+    "CartPole-v1": "classic control", "Acrobot-v1": "classic control", "MountainCar-v0": "classic control",
+    "Pendulum-v1": "continuous control", "MountainCarContinuous-v0": "continuous control",
+    "Asterix-MinAtar": "MinAtar", "Breakout-MinAtar": "MinAtar", "Freeway-MinAtar": "MinAtar",
+    "Seaquest-MinAtar": "MinAtar", "SpaceInvaders-MinAtar": "MinAtar",
+}
+
+
+def atari_ids() -> list[str]:
+    """Every Atari id gymnasium knows once ale-py has registered its games."""
+    gym.register_envs(ale_py)
+    return sorted(env_id for env_id, spec in gym.registry.items() if spec.entry_point == "ale_py.env:AtariEnv")
+
+
+def resolve_env(name: str) -> tuple[str, str]:
+    """The id and family of the environment named `name`, or a `ConfigError` suggesting close names.
+
+    gymnax ids are matched first, ignoring case; then Atari games, by full id or by short name
+    (`Breakout` is Atari's Breakout; MinAtar's is `Breakout-MinAtar`).
+    """
+    for env_id, family in GYMNAX_FAMILIES.items():
+        if env_id.lower() == name.lower():
+            return env_id, family
+    ids = atari_ids()
+    if name in ids:
+        return name, "Atari"
+    short_names = {env_id[4:-3]: env_id for env_id in ids
+                   if env_id.startswith("ALE/") and env_id.endswith("-v5") and "-ram" not in env_id}
+    for short_name, env_id in short_names.items():
+        if short_name.lower() == name.lower():
+            return env_id, "Atari"
+    close = difflib.get_close_matches(name, list(GYMNAX_FAMILIES) + list(short_names) + ids, n=3, cutoff=0.6)
+    hint = (f"; did you mean {', '.join(close)}?" if close
+            else "; names look like CartPole-v1, Breakout-MinAtar or Breakout (Atari)")
+    raise ConfigError(f"unknown environment {name!r}{hint}")
+
+
+def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, str]:
+    """The configuration of this invocation, the checkpoint it names (if any), and the environment's id and family.
+
+    A new run starts from its environment's preset; a resumed or evaluated run from the
+    checkpoint's hyperparameters. Flags given on the command line override either.
+    """
+    given = vars(build_parser().parse_args(argv))
+    checkpoint = None
+    base: dict[str, Any] = {}
+    path = given.get("resume") or given.get("eval")
+    if path is not None and not (given.get("resume") and given.get("eval")):
+        checkpoint = load_checkpoint(path)
+        fields = {f.name for f in dataclasses.fields(RunConfig)}
+        base = {k: v for k, v in checkpoint["config"].items() if k in fields and k not in RUN_OPTIONS}
+    env_id, family = resolve_env(given.get("env", base.get("env", RunConfig.env)))
+    if checkpoint is None:
+        base = PRESETS[family]
+    config = RunConfig(**{**base, **given})
+    check_config(config, family)
+    if checkpoint is not None:
+        trained_on, asked = checkpoint["env_id"], env_id
+        if family == "Atari" and trained_on not in GYMNAX_FAMILIES:
+            trained_on, asked = game_name(trained_on), game_name(env_id)
+        if trained_on != asked:
+            raise ConfigError(f"checkpoint {path} was trained on {trained_on}, not {asked}")
+    if config.resume is not None:
+        saved = checkpoint["config"]
+        for name in ["num_seeds", "num_envs", "num_steps"]:
+            if saved[name] != getattr(config, name):
+                raise ConfigError(f"a resumed run keeps its --{name.replace('_', '-')} ({saved[name]}): "
+                                  f"the checkpoint holds the state of exactly that many")
+    return config, checkpoint, env_id, family
+
+
+# ### Hardware choices
+#
+# Two choices in Part 1 are made for XLA's CPU backend. Both hold on every backend, so that the
+# program, and what it computes, is the same everywhere:
+#
+# * **Convolutions as matrix products.** Inside a loop, and the update is two nested scans, XLA's
+#   CPU backend computes a convolution's gradient with a generic, unoptimised kernel (jax-ml/jax
+#   issue 12868). Measured here, one gradient step of the Nature CNN on 256 frames took 34 s inside
+#   a scan against 0.7 s outside it; as a matrix product over the windows of the input (`patches`)
+#   it takes 0.5 s in both. The networks' convolutions are therefore `Convolution`, below: the same
+#   function as flax's `nn.Conv`, computed another way.
+# * **Agents initialised one at a time.** Under `vmap` over seeds, `network.init` would factorise a
+#   batch of matrices at once for the orthogonal initialisation, and jaxlib 0.10.2's batched QR on
+#   the CPU can deadlock: its LAPACK kernel waits for sub-tasks on the thread pool that its own
+#   calls fill. On this project's 2-core CPU, initialising 16 CartPole agents hung within its first
+#   three calls in each of two tries, and so did a 16-seed benchmark. `make_train` therefore
+#   initialises the agents of a `vmap` in a loop, one matrix at a time (`sequential_vmap`). It runs
+#   once per training run, so the loop costs nothing, and each agent starts from the very weights it
+#   would start from alone (a test checks it).
+#
+# `choose_device` points JAX at the device asked for, before it computes anything.
+
+
+def patches(x: jax.Array, kernel: int, stride: int) -> jax.Array:
+    """`[..., H, W, C] -> [..., H', W', kernel * kernel * C]`: the `kernel x kernel` window under each output pixel.
+
+    With a stride, each `stride x stride` block of pixels is first folded into the channels
+    ("space to depth"), which turns the strided window into a `kernel / stride` window at stride 1;
+    the windows are then `(kernel / stride)^2` shifted slices, side by side.
+    """
+    if stride > 1:
+        *batch, height, width, channels = x.shape
+        height, width = height // stride, width // stride
+        x = x[..., :height * stride, :width * stride, :].reshape(*batch, height, stride, width, stride, channels)
+        x = jnp.swapaxes(x, -4, -3).reshape(*batch, height, width, stride * stride * channels)
+        kernel //= stride
+    height, width = x.shape[-3] - kernel + 1, x.shape[-2] - kernel + 1
+    return jnp.concatenate([x[..., i:i + height, j:j + width, :] for i in range(kernel) for j in range(kernel)],
+                           axis=-1)
+
+
+class Convolution(nn.Module):
+    r"""A convolution without padding, written as a dense layer applied to every window of the input.
+
+    The same function as `nn.Conv(features, (kernel, kernel), strides=stride, padding="VALID")`,
+    computed as a matrix product over `patches` (why: see above). The weights are initialised like
+    `dense`'s, gain $\sqrt 2$; `kernel` must be a multiple of `stride`, as it is in both networks
+    that use it, Part 1's MinAtar CNN and Part 2's Nature CNN.
+    """
+
+    features: int
+    kernel: int
+    stride: int = 1
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return dense(self.features)(patches(x, self.kernel, self.stride))
+
+
+def choose_device(requested: str) -> str:
+    """Point JAX at the device asked for; the name of the device it will use.
+
+    Call it before JAX computes anything: choosing the CPU only works before JAX has started its
+    other backends, and (for Atari) the workers must be forked before JAX starts its threads.
+    """
+    if requested == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+    elif requested == "cuda":
+        try:
+            jax.config.update("jax_default_device", jax.devices("cuda")[0])
+        except RuntimeError:
+            raise ConfigError("--device cuda was asked for, but JAX finds no CUDA device") from None
+    return str(jax.devices()[0]).lower() if requested != "cuda" else str(jax.devices("cuda")[0]).lower()
+
+
+# ### Checkpoints
 #
 # A checkpoint holds all the state of training as a pytree of arrays, written with flax's msgpack
 # serialization: no pickle, so loading one runs no code from the file. For a gymnax run that is the
@@ -1594,10 +1649,11 @@ def restore_tree(template: Any, state: Any, path: str) -> Any:
     return jax.tree.map(lambda value, expected: jnp.asarray(value, expected.dtype), restored, template)
 
 
-# ## Logging and stopping
+# ### Logging and progress
 #
 # TensorBoard events are written with tensorboard's own event-file writer and protocol buffers, so
-# that this page needs neither TensorFlow nor PyTorch. The tags are CleanRL's.
+# that this page needs neither TensorFlow nor PyTorch. The tags are CleanRL's; the `losses/` tags
+# are the terms `ppo_loss` returns, whatever they are.
 
 
 class EventWriter:
@@ -1624,15 +1680,12 @@ class EventWriter:
         self.writer.close()
 
 
-LOSS_NAMES = ["policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance"]
-
-
 def log_update(writer: EventWriter, metrics: dict[str, float], step: int) -> None:
-    """The schedules and losses of one update."""
+    """The schedules of one update, and every term of its loss that `update_agent` averaged, as `losses/<name>`."""
     writer.add_scalar("charts/learning_rate", metrics["learning_rate"], step)
     writer.add_scalar("charts/clip_range", metrics["clip_range"], step)
-    for name in LOSS_NAMES:
-        writer.add_scalar(f"losses/{name}", metrics[name], step)
+    for name, value in metrics["losses"].items():
+        writer.add_scalar(f"losses/{name}", value, step)
 
 
 def log_episodes(writer: EventWriter, episodic_return: float, episodic_length: float, step: int) -> None:
@@ -1680,16 +1733,31 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
 
 
+def hyperparameter_table(config: Config, env_id: str) -> str:
+    rows = [f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items()]
+    return "|parameter|value|\n|-|-|\n" + "\n".join([f"|env_id|{env_id}|"] + rows)
+
+
+# ### Ctrl-C and SIGTERM
+#
+# The first Ctrl-C (or SIGTERM) asks the run to stop at the next safe point, with a checkpoint; a
+# second one aborts without it. This script runs in one process, so a second signal is always a
+# second request (`same_within=0.0`). Neither can interrupt a compiled chunk of the run halfway: both
+# take effect when it returns to Python (`--checkpoint-every` sets how long a chunk is).
+
+
 class StopRequest:
     """Turns Ctrl-C (SIGINT) and SIGTERM into a request to stop at the next safe point.
 
-    Training then saves a checkpoint and exits. A second Ctrl-C interrupts without one; neither
-    can interrupt a compiled program halfway, so both take effect once the piece of the run under
-    way returns to Python (`--checkpoint-every` sets how long a piece is).
+    Training then saves a checkpoint and exits. A second signal aborts at once, unless it comes
+    within `same_within` seconds of the first: under torchrun a terminal's Ctrl-C reaches each rank
+    twice, from the terminal and passed on by torchrun, and the two are one request.
     """
 
-    def __init__(self):
+    def __init__(self, announce: bool = True, same_within: float = 0.0):
         self.signal: int | None = None
+        self.received = 0.0
+        self.announce, self.same_within = announce, same_within
 
     def __call__(self) -> bool:
         return self.signal is not None
@@ -1699,53 +1767,29 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame) -> None:
-        self.signal = signum
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
-              "(Ctrl-C again to abort without one)", file=sys.stderr, flush=True)
+        if self.signal is None:
+            self.signal, self.received = signum, time.monotonic()
+            if self.announce:
+                print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
+                      "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+        elif time.monotonic() - self.received >= self.same_within:
+            raise KeyboardInterrupt
 
     def __exit__(self, *exc_info) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
 
-def hyperparameter_table(config: Config, env_id: str) -> str:
-    rows = [f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items()]
-    return "|parameter|value|\n|-|-|\n" + "\n".join([f"|env_id|{env_id}|"] + rows)
-
-
-def game_options(config: Config) -> dict:
-    return dict(sticky_actions=config.sticky_actions, life_loss=config.life_loss, noop_max=config.noop_max,
-                frame_skip=config.frame_skip, max_episode_frames=config.max_episode_frames)
-
-
-def choose_device(requested: str) -> str:
-    """Point JAX at the device asked for; the name of the device it will use.
-
-    Call it before JAX computes anything: choosing the CPU only works before JAX has started its
-    other backends, and (for Atari) the workers must be forked before JAX starts its threads.
-    """
-    if requested == "cpu":
-        jax.config.update("jax_platforms", "cpu")
-    elif requested == "cuda":
-        try:
-            jax.config.update("jax_default_device", jax.devices("cuda")[0])
-        except RuntimeError:
-            raise ConfigError("--device cuda was asked for, but JAX finds no CUDA device") from None
-    return str(jax.devices()[0]).lower() if requested != "cuda" else str(jax.devices("cuda")[0]).lower()
-
-
-# ## The trainers
+# ### The training runs
 #
-# The two trainers differ in how a rollout is produced and share the rest: the run directory,
+# The two runs differ in how a rollout is produced and share the rest: the run directory,
 # TensorBoard's first event (a table of the hyperparameters), the checkpoint file and how a run ends.
 
 
 class Run:
     """The run directory, its TensorBoard writers and checkpoint path, and how a run ends."""
 
-    def __init__(self, config: Config, env_id: str, checkpoint: dict | None, seed_writers: int = 0):
+    def __init__(self, config: RunConfig, env_id: str, checkpoint: dict | None, seed_writers: int = 0):
         if checkpoint is not None:
             self.dir = Path(config.run_dir or Path(config.resume).parent)
         elif config.run_dir:
@@ -1778,7 +1822,7 @@ class Run:
                counters: Callable[[], tuple[int, int]]) -> int:
         """Run `loop` until it ends or a stop is requested, save, and report; the exit status."""
         try:
-            with StopRequest() as stop:
+            with StopRequest(announce=True, same_within=0.0) as stop:
                 loop(stop)
             save()
             update, global_step = counters()
@@ -1806,16 +1850,34 @@ class Run:
                     writer.close()
 
 
+class NonFiniteError(RuntimeError):
+    """The loss or gradient became NaN or infinite."""
+
+
 def agent_keys(config: Config) -> jax.Array:
     """One key per agent, split from `--seed`."""
     return jax.random.split(jax.random.key(config.seed), config.num_seeds)
 
 
-def train_gymnax(config: Config, env_id: str, checkpoint: dict | None) -> int:
-    """Train `num_seeds` agents on a gymnax environment, a compiled piece of the run at a time."""
+def game_options(config: AtariConfig) -> dict:
+    return dict(sticky_actions=config.sticky_actions, life_loss=config.life_loss, noop_max=config.noop_max,
+                frame_skip=config.frame_skip, max_episode_frames=config.max_episode_frames)
+
+
+def train_gymnax(config: RunConfig, env_id: str, checkpoint: dict | None) -> int:
+    """Train `num_seeds` agents on a gymnax environment: `make_train`'s program, a chunk of the run at a time.
+
+    A chunk is `--checkpoint-every` updates of every agent, `train_chunk` under `vmap`; between
+    chunks the run writes TensorBoard events, shows its progress, saves a checkpoint and looks for
+    a stop request. (A compiled program can also call back into Python as it runs,
+    `jax.debug.callback`, to print progress after every update, say. We report between chunks
+    instead: JAX refuses to store a program with a host callback in its persistent compilation
+    cache, `JAX_COMPILATION_CACHE_DIR`, which otherwise spares a second run of the same
+    configuration its compilation.)
+    """
     choose_device(config.device)
     run = Run(config, env_id, checkpoint, seed_writers=config.num_seeds if config.num_seeds > 1 else 0)
-    training = build_training(config, env_id)
+    training = make_train(config, env_id)
     keys = agent_keys(config)
     if checkpoint is None:
         runners = jax.jit(jax.vmap(training.init))(keys)
@@ -1831,7 +1893,7 @@ def train_gymnax(config: Config, env_id: str, checkpoint: dict | None) -> int:
 
     print(describe_devices(mesh, config.num_seeds), file=sys.stderr)
     started = time.perf_counter()
-    run_updates = compile_run_updates(training, min(config.checkpoint_every, training.num_updates), runners, mesh)
+    train_chunk = compile_train_chunk(training, min(config.checkpoint_every, config.num_updates), runners, mesh)
     print(f"{env_id}: {config.num_seeds} agent(s), compiled in {time.perf_counter() - started:.1f} s; "
           f"logs and checkpoints in {run.dir}", file=sys.stderr)
     run.open_writers()
@@ -1839,18 +1901,18 @@ def train_gymnax(config: Config, env_id: str, checkpoint: dict | None) -> int:
 
     def loop(stop: StopRequest) -> None:
         nonlocal runners, update
-        while update < training.num_updates and not stop():
-            count = min(config.checkpoint_every - update % config.checkpoint_every, training.num_updates - update)
-            piece_started = time.perf_counter()
-            new_runners, metrics = run_updates(runners, jnp.int32(count))
-            metrics = {name: value[:count] for name, value in jax.device_get(metrics).items()}  # [count, agents]
+        while update < config.num_updates and not stop():
+            count = min(config.checkpoint_every - update % config.checkpoint_every, config.num_updates - update)
+            chunk_started = time.perf_counter()
+            new_runners, metrics = train_chunk(runners, jnp.int32(count))
+            metrics = jax.tree.map(lambda value: value[:count], jax.device_get(metrics))  # [count, agents]
             broken = np.argwhere(metrics["nonfinite"])
             if broken.size:
                 at, agent = broken[0]
                 raise NonFiniteError(f"the loss or its gradient became non-finite at update {update + at + 1} "
                                      f"(agent {agent}); no step was taken from there on")
             runners = new_runners
-            sps = count * config.batch_size * config.num_seeds / (time.perf_counter() - piece_started)
+            sps = count * config.batch_size * config.num_seeds / (time.perf_counter() - chunk_started)
             log_gymnax_updates(run, metrics, update, config.batch_size, sps)
             update += count
             returns = metrics["episodic_return"]
@@ -1878,21 +1940,21 @@ def mean_over_agents(values: np.ndarray) -> float:
 def log_gymnax_updates(run: Run, metrics: dict[str, np.ndarray], first_update: int, batch_size: int,
                        sps: float) -> None:
     """Metrics of `[updates, agents]`: each agent's in its own writer, their mean in the run's."""
-    for index in range(len(metrics["policy_loss"])):
+    for index in range(len(metrics["episodes"])):
         step = (first_update + index + 1) * batch_size
-        per_agent = {name: value[index] for name, value in metrics.items()}
+        per_agent = jax.tree.map(lambda value: value[index], metrics)
         for agent, writer in enumerate(run.writers):
-            log_update(writer, {name: value[agent] for name, value in per_agent.items()}, step)
+            log_update(writer, jax.tree.map(lambda value: value[agent], per_agent), step)
             if per_agent["episodes"][agent]:
                 log_episodes(writer, per_agent["episodic_return"][agent], per_agent["episodic_length"][agent], step)
-        log_update(run.writer, {name: mean_over_agents(value) for name, value in per_agent.items()}, step)
+        log_update(run.writer, jax.tree.map(mean_over_agents, per_agent), step)
         if per_agent["episodes"].any():
             log_episodes(run.writer, mean_over_agents(per_agent["episodic_return"]),
                          mean_over_agents(per_agent["episodic_length"]), step)
     run.writer.add_scalar("charts/SPS", sps, step)
 
 
-def train_atari(config: Config, env_id: str, checkpoint: dict | None) -> int:
+def train_atari(config: RunConfig, env_id: str, checkpoint: dict | None) -> int:
     """Train one agent on an Atari game through worker processes, as `ppo_atari.py` does."""
     run = Run(config, env_id, checkpoint)
     num_workers = config.num_workers or min(config.num_envs, len(os.sched_getaffinity(0))
@@ -1943,11 +2005,12 @@ def train_atari(config: Config, env_id: str, checkpoint: dict | None) -> int:
         return run.finish(loop, save, counters)
 
 
-# ## Evaluation
+# ### Evaluation
 #
 # Evaluation plays whole episodes with the policy sampling its actions, as in training, and
 # reports the real, unclipped return of each. On gymnax it is one more compiled program: every
 # agent plays `eval_episodes` episodes at once, for as many steps as the longest episode can last.
+
 
 
 def make_evaluate(network: nn.Module, env: BatchedEnv) -> Callable[[Any, jax.Array], jax.Array]:
@@ -1974,10 +2037,10 @@ def make_evaluate(network: nn.Module, env: BatchedEnv) -> Callable[[Any, jax.Arr
     return evaluate
 
 
-def evaluate_gymnax(config: Config, env_id: str, checkpoint: dict) -> np.ndarray:
+def evaluate_gymnax(config: RunConfig, env_id: str, checkpoint: dict) -> np.ndarray:
     """`[agents, eval_episodes]` returns of the checkpoint's agents."""
     choose_device(config.device)
-    training = build_training(config, env_id)
+    training = make_train(config, env_id)
     template = jax.eval_shape(jax.vmap(training.init), agent_keys(config)).agent.params
     params = restore_tree(template, checkpoint["runners"]["agent"]["params"], config.eval)
     network, env = training.network, BatchedEnv(env_id, config.eval_episodes)
@@ -1987,7 +2050,7 @@ def evaluate_gymnax(config: Config, env_id: str, checkpoint: dict) -> np.ndarray
     return np.asarray(jax.jit(jax.vmap(make_evaluate(network, env)))(params, eval_keys))
 
 
-def evaluate_atari(config: Config, env_id: str, checkpoint: dict) -> np.ndarray:
+def evaluate_atari(config: RunConfig, env_id: str, checkpoint: dict) -> np.ndarray:
     """`[1, eval_episodes]` scores of whole games played with the checkpoint's policy."""
     seeds = game_seeds(config.seed + 1_000_003, config.eval_episodes)  # games unlike the training ones
     games = [Game(env_id, seed, **game_options(config)) for seed in seeds]
@@ -2018,7 +2081,7 @@ def evaluate_atari(config: Config, env_id: str, checkpoint: dict) -> np.ndarray:
     return scores[None]
 
 
-def open_videos(config: Config, env_id: str, games: list[Game]) -> list:
+def open_videos(config: RunConfig, env_id: str, games: list[Game]) -> list:
     """One mp4 writer per game, in <run dir>/videos, twice the screen's size, in real time."""
     video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
     video_dir.mkdir(parents=True, exist_ok=True)
@@ -2040,41 +2103,7 @@ def describe_returns(returns: np.ndarray) -> str:
     return f"{np.mean(returns):.1f} ± {np.std(returns):.1f} (min {np.min(returns):g}, max {np.max(returns):g})"
 
 
-# ## The command line
-
-
-def parse_config(argv: list[str] | None) -> tuple[Config, dict | None, str, str]:
-    """The configuration of this invocation, the checkpoint it names (if any), and the environment's id and family.
-
-    A new run starts from its environment's preset; a resumed or evaluated run from the
-    checkpoint's hyperparameters. Flags given on the command line override either.
-    """
-    given = vars(build_parser().parse_args(argv))
-    checkpoint = None
-    base: dict[str, Any] = {}
-    path = given.get("resume") or given.get("eval")
-    if path is not None and not (given.get("resume") and given.get("eval")):
-        checkpoint = load_checkpoint(path)
-        fields = {f.name for f in dataclasses.fields(Config)}
-        base = {k: v for k, v in checkpoint["config"].items() if k in fields and k not in RUN_OPTIONS}
-    env_id, family = resolve_env(given.get("env", base.get("env", Config.env)))
-    if checkpoint is None:
-        base = PRESETS[family]
-    config = Config(**{**base, **given})
-    check_config(config, family)
-    if checkpoint is not None:
-        trained_on, asked = checkpoint["env_id"], env_id
-        if family == "Atari" and trained_on not in GYMNAX_FAMILIES:
-            trained_on, asked = game_name(trained_on), game_name(env_id)
-        if trained_on != asked:
-            raise ConfigError(f"checkpoint {path} was trained on {trained_on}, not {asked}")
-    if config.resume is not None:
-        saved = checkpoint["config"]
-        for name in ["num_seeds", "num_envs", "num_steps"]:
-            if saved[name] != getattr(config, name):
-                raise ConfigError(f"a resumed run keeps its --{name.replace('_', '-')} ({saved[name]}): "
-                                  f"the checkpoint holds the state of exactly that many")
-    return config, checkpoint, env_id, family
+# ### main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -2098,6 +2127,75 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before training began (while compiling, say): nothing to save
         print(f"\n{PROG}: interrupted", file=sys.stderr)
         return 130
+
+
+# ## Part 4: More than one device
+#
+# The agents of `--num-seeds` share nothing, so with several devices (GPUs, say) each can train its
+# share of them with no word to the others. The simplest way to say so in JAX is to say nothing new
+# about the computation, only about where its data lies: the runners are placed with their first
+# axis, the agents', split over a one-dimensional `Mesh` of the devices, by a `NamedSharding` of
+# `PartitionSpec("seeds")`, and `jax.jit` compiles the same program for data laid out that way.
+# XLA's partitioner follows the seed axis through the vmapped run, and as no operation mixes two
+# agents, every device runs the whole program on its own agents and no array moves between devices
+# (a test checks that the compiled program holds no collective operation). `shard_map` would say
+# the same by hand, per device: it would need a spec for every input and output, and its check of
+# which values vary across devices turned off, since this code was written without it. The layout
+# of the outputs is stated too (`out_shardings`), so that a chunk's runners go into the next chunk
+# laid out as the compiled program expects. Part 1's `jax.jit(jax.vmap(train))` spreads the same
+# way when its keys are placed first, `jax.device_put(keys, split_over_seeds(mesh))`; the command
+# line initialises the agents on one device and places their runners instead, since the agents'
+# initialisation, a loop over them (see Hardware choices), would first gather the keys onto every
+# device.
+#
+# Every device runs the same program, on as many agents as each other one, so the agents must split
+# evenly. Rather than refuse a run, we use the most devices they split over: 6 agents on 4 devices
+# train on 3 of them, 2 each; 5 agents train on one. The run prints what it uses. On one device
+# nothing changes. On several, the results agree with one device's to rounding, not bit for bit: a
+# device runs the program on fewer agents at once, and XLA may compile a batch of another size into
+# another order of the same sums. Over a long run the difference grows (a sampled action flips, and
+# the episodes part ways): the runs are equally good samples of training, not the same sample. The
+# checkpoint does not depend on the devices (`jax.device_get` gathers a sharded array into one), so
+# a run started on two devices can be resumed or evaluated on one.
+#
+# An Atari run is not spread. It trains one agent, so the devices would have to split its batch and
+# add up their gradients at every minibatch; and its time goes to the emulators, on the CPU.
+
+SEED_AXIS = "seeds"
+
+
+def seed_mesh(num_seeds: int, devices: list | None = None) -> Mesh:
+    """A one-dimensional mesh of the most devices (of `devices`, default all) that split `num_seeds` agents evenly."""
+    devices = devices or jax.devices()
+    count = max(n for n in range(1, len(devices) + 1) if num_seeds % n == 0)
+    return Mesh(np.array(devices[:count]), (SEED_AXIS,))
+
+
+def split_over_seeds(mesh: Mesh, axis: int = 0) -> NamedSharding:
+    """The layout of arrays whose agent axis is `axis`: that axis split over the devices of `mesh`."""
+    return NamedSharding(mesh, PartitionSpec(*[None] * axis, SEED_AXIS))
+
+
+def compile_train_chunk(training: Training, length: int, runners: Runner, mesh: Mesh) -> Callable:
+    """`train_chunk(runners, count)`: `count <= length` more updates of every agent, compiled for `runners` on `mesh`.
+
+    It is Part 1's `train_chunk` under `vmap`, with the same `count` for every agent; it returns the
+    runners and the metrics, `[length, agents]`, both split over the devices as the runners are.
+    """
+    every_agent = jax.vmap(functools.partial(training.train_chunk, length=length), in_axes=(0, None),
+                           out_axes=(0, 1))
+    train_chunk = jax.jit(every_agent, out_shardings=(split_over_seeds(mesh), split_over_seeds(mesh, axis=1)))
+    return train_chunk.lower(runners, jnp.int32(0)).compile()
+
+
+def describe_devices(mesh: Mesh, num_seeds: int) -> str:
+    """One line: the devices used, how many agents each trains, and why some are left idle."""
+    available = len(jax.devices())
+    line = f"devices: {mesh.size} × {mesh.devices.flat[0].platform} ({num_seeds // mesh.size} agent(s) per device"
+    if mesh.size < available:
+        idle = available - mesh.size
+        line += f"; {idle} of the {available} left idle: {num_seeds} agent(s) split evenly over no more"
+    return line + ")"
 
 
 if __name__ == "__main__":

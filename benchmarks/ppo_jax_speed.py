@@ -49,7 +49,7 @@ def measure_compiled(seeds: int) -> dict:
     config = ppo_jax.Config(env="CartPole-v1", total_timesteps=500_000, num_envs=4, num_steps=128, num_seeds=seeds)
     keys = ppo_jax.agent_keys(config)
     started = time.perf_counter()
-    lowered = jax.jit(jax.vmap(ppo_jax.make_train(config))).lower(keys)
+    lowered = jax.jit(jax.vmap(ppo_jax.make_train(config).train)).lower(keys)
     traced = time.perf_counter()
     compiled = lowered.compile()
     compiled_at = time.perf_counter()
@@ -85,7 +85,7 @@ def measure_atari(script: str, iterations: int, warmup: int) -> dict:
     else:
         import ppo_atari as module
     env_id = module.resolve_env("Breakout")[0] if script == "ppo_jax" else module.resolve_env_id("Breakout")
-    config = module.Config(env=env_id, num_envs=8) if script == "ppo_atari" else module.Config(
+    config = module.Config(env=env_id, num_envs=8) if script == "ppo_atari" else module.RunConfig(
         env=env_id, **module.PRESETS["Atari"])
     num_workers = min(config.num_envs, len(os.sched_getaffinity(0)))
     with module.Workers(env_id, config.num_envs, num_workers, 1, module.game_options(config)) as envs:

@@ -91,12 +91,15 @@ def test_resume_continues_on_schedule(trained, run, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def pieces():
-    """Two CartPole agents of 32-step rollouts, their first state, and `run_updates` compiled for pieces of 4."""
+def chunks():
+    """Two CartPole agents of 32-step rollouts, their first state, and the command line's `train_chunk`
+    compiled for chunks of 4 updates on one device."""
     config = ppo_jax.Config(num_seeds=2, num_steps=32, total_timesteps=1024)
-    training = ppo_jax.build_training(config)
+    training = ppo_jax.make_train(config)
     keys = ppo_jax.agent_keys(config)
-    return config, training, keys, jax.jit(jax.vmap(training.init))(keys), jax.jit(ppo_jax.make_run_updates(training, 4))
+    first = jax.jit(jax.vmap(training.init))(keys)
+    mesh = ppo_jax.seed_mesh(config.num_seeds, jax.devices()[:1])
+    return config, training, keys, first, ppo_jax.compile_train_chunk(training, 4, first, mesh)
 
 
 def assert_same_runs(a, b):
@@ -104,29 +107,42 @@ def assert_same_runs(a, b):
         np.testing.assert_array_equal(x, y)
 
 
-def test_a_run_resumed_from_its_checkpoint_is_the_same_run(pieces):
+def test_a_run_resumed_from_its_checkpoint_is_the_same_run(chunks):
     # Eight updates straight, against four, a trip through the checkpoint format, and four more:
     # environment states, keys, Adam's moments and counters all come back, so the runs agree exactly.
-    config, training, keys, first, run_updates = pieces
-    straight, _ = run_updates(run_updates(first, 4)[0], 4)
-    halfway, _ = run_updates(first, 4)
+    config, training, keys, first, train_chunk = chunks
+    straight, _ = train_chunk(train_chunk(first, 4)[0], 4)
+    halfway, _ = train_chunk(first, 4)
     state = ppo_jax.checkpoint_state(config, "CartPole-v1", 4, 512, runners=ppo_jax.storable(halfway))
     stored = flax.serialization.msgpack_restore(flax.serialization.msgpack_serialize(state))
     template = jax.eval_shape(lambda keys: ppo_jax.storable(jax.vmap(training.init)(keys)), keys)
     restored = ppo_jax.restore_tree(template, stored["runners"], "memory")
-    resumed, _ = run_updates(restored._replace(key=jax.random.wrap_key_data(restored.key)), 4)
+    resumed, _ = train_chunk(restored._replace(key=jax.random.wrap_key_data(restored.key)), 4)
     assert_same_runs(straight, resumed)
 
 
-def test_the_last_short_piece_skips_what_is_past_the_end(pieces):
+def test_the_last_short_chunk_skips_what_is_past_the_end(chunks):
     # Three updates in a program of four: the fourth is skipped, and changes nothing.
-    _, _, _, first, run_updates = pieces
-    after_three, metrics = run_updates(first, 3)
+    _, _, _, first, train_chunk = chunks
+    after_three, metrics = train_chunk(first, 3)
     assert after_three.update.tolist() == [3, 3] and np.all(metrics["learning_rate"][3] == 0)
     one_by_one = first
     for _ in range(3):
-        one_by_one, _ = run_updates(one_by_one, 1)
+        one_by_one, _ = train_chunk(one_by_one, 1)
     assert_same_runs(after_three, one_by_one)
+
+
+def test_the_command_line_runs_the_program_of_train(chunks):
+    # `train(key)` is the whole run as one chunk; the command line's chunks of it give the same run,
+    # the same metrics update by update (here, the whole 8-update run as two chunks of 4).
+    config, training, keys, first, train_chunk = chunks
+    whole, whole_metrics = jax.jit(jax.vmap(training.train))(keys)
+    halfway, first_metrics = train_chunk(first, 4)
+    chunked, second_metrics = train_chunk(halfway, 4)
+    assert_same_runs(whole, chunked)
+    chunked_metrics = jax.tree.map(lambda a, b: np.concatenate([a, b]).T, first_metrics, second_metrics)
+    for a, b in zip(jax.tree.leaves(whole_metrics), jax.tree.leaves(chunked_metrics)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_eval_plays_every_agent(trained, run):
@@ -143,7 +159,7 @@ def test_a_truncated_episode_bootstraps_from_its_final_observation():
     # 199 ends each episode: its next value must be V of the 200th state, not of the reset that
     # replaced it, and every other step's next value is the next step's value.
     config = ppo_jax.Config(env="Pendulum-v1", num_envs=2, num_steps=201, num_minibatches=1, total_timesteps=402)
-    training = ppo_jax.build_training(config)
+    training = ppo_jax.make_train(config)
     runner = jax.jit(training.init)(jax.random.key(0))
     _, rollout, _ = jax.jit(training.collect)(runner)
     assert rollout.truncated[199].all() and not rollout.truncated[:199].any() and not rollout.terminated.any()
@@ -292,7 +308,7 @@ def test_a_nan_names_its_update_and_keeps_the_last_good_checkpoint(tmp_path, mon
     def loss_that_breaks_from_update_3(*args):
         terms = real_loss(*args)
         clip_range = args[7]  # 0.2 * (1 - update / 8): below 0.151 from the third update (index 2) on
-        return terms._replace(loss=terms.loss * jnp.where(clip_range < 0.151, jnp.nan, 1.0))  # and its gradient
+        return {**terms, "loss": terms["loss"] * jnp.where(clip_range < 0.151, jnp.nan, 1.0)}  # and its gradient
 
     monkeypatch.setattr(ppo_jax, "ppo_loss", loss_that_breaks_from_update_3)
     status = ppo_jax.main(["--total-timesteps", "2048", "--num-steps", "64", "--checkpoint-every", "2",

@@ -107,18 +107,17 @@ def loss_on(ratios, advantages, clip_range=0.2, values=None, old_values=None, re
     old_values = jnp.zeros(n) if old_values is None else jnp.asarray(old_values)
     returns = jnp.zeros(n) if returns is None else jnp.asarray(returns)
 
-    def policy_loss(log_probs):
-        return ppo_jax.ppo_loss(log_probs, jnp.zeros(n), jnp.asarray(advantages), values, old_values, returns,
-                                jnp.zeros(n), clip_range, 0.5, 0.01).policy_loss
+    config = ppo_jax.Config(vf_coef=0.5, ent_coef=0.01)
 
-    def value_loss(values):
-        return ppo_jax.ppo_loss(jnp.zeros(n), jnp.zeros(n), jnp.asarray(advantages), values, old_values, returns,
-                                jnp.zeros(n), clip_range, 0.5, 0.01).value_loss
+    def loss(log_probs, values):
+        return ppo_jax.ppo_loss(log_probs, jnp.zeros(n), jnp.asarray(advantages), values, old_values, returns,
+                                jnp.zeros(n), clip_range, config)
 
     log_probs = jnp.log(jnp.asarray(ratios))
-    terms = jax.jit(ppo_jax.ppo_loss, static_argnums=(7, 8, 9))(log_probs, jnp.zeros(n), jnp.asarray(advantages), values,
-                                                                old_values, returns, jnp.zeros(n), clip_range, 0.5, 0.01)
-    return terms, jax.jit(jax.grad(policy_loss))(log_probs), jax.jit(jax.grad(value_loss))(values)
+    terms = jax.jit(loss)(log_probs, values)
+    policy_gradient = jax.jit(jax.grad(lambda log_probs: loss(log_probs, values)["policy_loss"]))(log_probs)
+    value_gradient = jax.jit(jax.grad(lambda values: loss(jnp.zeros(n), values)["value_loss"]))(values)
+    return terms, policy_gradient, value_gradient
 
 
 def test_policy_loss_is_clipped_exactly_where_it_should_be():
@@ -126,10 +125,10 @@ def test_policy_loss_is_clipped_exactly_where_it_should_be():
     advantages = [1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0]
     terms, gradient, _ = loss_on(ratios, advantages, clip_range=0.2)
     # -min(r A, clip(r) A) per sample: the clip binds at r = 1.5 for A > 0 and at r = 0.5 for A < 0.
-    assert float(terms.policy_loss) == pytest.approx(np.mean([-0.5, -0.9, -1.1, -1.2, 0.8, 0.9, 1.1, 1.5]), rel=1e-5)
+    assert float(terms["policy_loss"]) == pytest.approx(np.mean([-0.5, -0.9, -1.1, -1.2, 0.8, 0.9, 1.1, 1.5]), rel=1e-5)
     # d/d log pi of -(r A) is -r A, and 0 where the clipped term is the one taken.
     np.testing.assert_allclose(gradient, np.array([-0.5, -0.9, -1.1, 0, 0, 0.9, 1.1, 1.5]) / 8, rtol=1e-5, atol=1e-7)
-    assert float(terms.clipfrac) == pytest.approx(4 / 8)
+    assert float(terms["clipfrac"]) == pytest.approx(4 / 8)
 
 
 def test_value_loss_is_clipped_around_the_old_prediction():
@@ -137,17 +136,18 @@ def test_value_loss_is_clipped_around_the_old_prediction():
     # and the clipped prediction 0.2 has the larger error (gradient 0); -0.5 moved away, its own error wins.
     terms, _, gradient = loss_on([1.0] * 4, [0.0] * 4, values=[0.1, 0.5, 1.5, -0.5], old_values=[0.0] * 4,
                                  returns=[1.0] * 4)
-    assert float(terms.value_loss) == pytest.approx(0.5 * np.mean([0.81, 0.64, 0.64, 2.25]), rel=1e-5)
+    assert float(terms["value_loss"]) == pytest.approx(0.5 * np.mean([0.81, 0.64, 0.64, 2.25]), rel=1e-5)
     np.testing.assert_allclose(gradient, [0.5 * 2 * (0.1 - 1) / 4, 0, 0, 0.5 * 2 * (-0.5 - 1) / 4], rtol=1e-5)
 
 
 def test_total_loss_and_kl_estimate():
     terms, _, _ = loss_on([0.8, 1.25], [1.0, -2.0], clip_range=0.3, values=[1.0, 2.0], returns=[0.0, 0.0])
-    assert float(terms.loss) == pytest.approx(float(terms.policy_loss) + 0.5 * float(terms.value_loss), rel=1e-6)
-    assert float(terms.approx_kl) == pytest.approx(np.mean([(r - 1) - math.log(r) for r in [0.8, 1.25]]), rel=1e-4)
+    assert float(terms["loss"]) == pytest.approx(float(terms["policy_loss"]) + 0.5 * float(terms["value_loss"]), rel=1e-6)
+    assert float(terms["approx_kl"]) == pytest.approx(np.mean([(r - 1) - math.log(r) for r in [0.8, 1.25]]), rel=1e-4)
     zeros = jnp.zeros(2)
-    bonus = ppo_jax.ppo_loss(zeros, zeros, zeros, zeros, zeros, zeros, jnp.array([1.0, 2.0]), 0.1, 0.5, 0.01)
-    assert float(bonus.loss) == pytest.approx(-0.01 * 1.5)
+    bonus = ppo_jax.ppo_loss(zeros, zeros, zeros, zeros, zeros, zeros, jnp.array([1.0, 2.0]), 0.1,
+                             ppo_jax.Config(vf_coef=0.5, ent_coef=0.01))
+    assert float(bonus["loss"]) == pytest.approx(-0.01 * 1.5)
 
 
 @pytest.mark.parametrize("update, fraction", [(0, 1.0), (50, 0.5), (99, 0.01)])
@@ -168,7 +168,7 @@ def one_update():
     """`run(k)`: the parameters before and after update `k` of 10 of a CartPole run (one epoch, one minibatch)."""
     config = ppo_jax.Config(num_envs=2, num_steps=8, num_minibatches=1, update_epochs=1, total_timesteps=160,
                             learning_rate=1e-3, clip_range=0.3)
-    training = ppo_jax.build_training(config)
+    training = ppo_jax.make_train(config)
     runner = jax.jit(training.init)(jax.random.key(0))
     update = jax.jit(training.update)
 
@@ -205,7 +205,7 @@ def test_target_kl_stops_the_update_and_nothing_moves():
                                            jax.random.key(1), 0.05, 0.2)
     # The stored log-probabilities differ from the policy's, so the KL exceeds the target at once:
     # no step is taken, the losses are those of no step (NaN), and the early stop is reported.
-    assert bool(metrics["stopped_early"]) and math.isnan(float(metrics["policy_loss"]))
+    assert bool(metrics["stopped_early"]) and math.isnan(float(metrics["losses"]["policy_loss"]))
     for a, b in zip(jax.tree.leaves(agent.params), jax.tree.leaves(params)):
         np.testing.assert_array_equal(a, b)
 
@@ -261,10 +261,21 @@ def test_initialisation_gains_and_first_policy(network, obs):
 def test_agents_side_by_side_initialise_one_matrix_at_a_time(env):
     # jaxlib 0.10.2's batched QR can deadlock on the CPU, so the orthogonal initialisation of
     # several seeds must factorise unbatched (2-D) matrices, in a loop over the seeds.
-    training = ppo_jax.build_training(ppo_jax.Config(env=env, num_seeds=4))
+    training = ppo_jax.make_train(ppo_jax.Config(env=env, num_seeds=4))
     jaxpr = str(jax.make_jaxpr(jax.vmap(training.init))(jax.random.split(jax.random.key(0), 4)))
     outputs = re.findall(r"=\s*qr\[", jaxpr)
     shapes = [re.findall(r"f32\[([\d,]*)\]", line.split("=")[0]) for line in jaxpr.splitlines()
               if re.search(r"=\s*qr\[", line)]
     assert outputs and len(shapes) == len(outputs)
     assert all(len(shape.split(",")) == 2 for line in shapes for shape in line), shapes
+
+
+@pytest.mark.parametrize("env", ["CartPole-v1", "Breakout-MinAtar"])
+def test_an_agent_among_others_starts_from_the_weights_it_has_alone(env):
+    training = ppo_jax.make_train(ppo_jax.Config(env=env, num_seeds=4))
+    keys = jax.random.split(jax.random.key(3), 4)
+    together = jax.jit(jax.vmap(training.init))(keys).agent.params
+    for agent in [0, 3]:
+        alone = jax.jit(training.init)(keys[agent]).agent.params
+        for a, b in zip(jax.tree.leaves(together), jax.tree.leaves(alone)):
+            np.testing.assert_array_equal(a[agent], b)
