@@ -1104,6 +1104,10 @@ class Trainer:
 
 CHECKPOINT_FORMAT = "ppo_atari/1"
 
+# What `Trainer.load_state_dict` and `main` read from a checkpoint.
+CHECKPOINT_FIELDS = ("config", "update", "global_step", "ranks", "model", "optimizer", "torch_rng", "cuda_rng",
+                     "game")
+
 
 def save_checkpoint(state: dict, path: Path) -> None:
     """Write `state` to `path` atomically: to a temporary file first, then renamed over it."""
@@ -1126,12 +1130,9 @@ def load_checkpoint(path: str) -> dict:
                           f"({type(error).__name__})") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{path} is not a ppo_atari.py checkpoint")
-    if "ranks" not in checkpoint:
-        # Written before training could be data-parallel: one process, one random state, and the
-        # CUDA states of all devices (or none). Read it as a checkpoint of one rank.
-        cuda_rng = checkpoint["cuda_rng"]
-        checkpoint.update(ranks=1, torch_rng=[checkpoint["torch_rng"]],
-                          cuda_rng=[cuda_rng[0] if len(cuda_rng) else torch.zeros(0, dtype=torch.uint8)])
+    missing = [field for field in CHECKPOINT_FIELDS if field not in checkpoint]
+    if missing:
+        raise ConfigError(f"checkpoint {path} lacks {', '.join(missing)}: another version of ppo_atari.py wrote it")
     return checkpoint
 
 
@@ -1399,7 +1400,6 @@ def train(config: Config, env_id: str, checkpoint: dict | None = None) -> int:
         if ranks.is_main and (run_dir / "checkpoint.pt").exists():
             raise ConfigError(f"{run_dir} already holds a checkpoint; resume it with --resume "
                               f"{run_dir / 'checkpoint.pt'} or choose another --run-dir")
-    checkpoint_path = run_dir / "checkpoint.pt"
     seed_everything(config.seed + ranks.rank)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     num_workers = config.num_workers or max(1, min(config.num_envs, cores // ranks.local_size))
