@@ -1330,16 +1330,15 @@ def format_duration(seconds: float) -> str:
 class StopRequest:
     """Turns Ctrl-C (SIGINT) and SIGTERM into a request to stop at the next safe point.
 
-    Training then saves a checkpoint and exits with status 128 plus the signal's number. A second
-    signal more than a second after the first aborts at once. One within the second is the same
-    request arriving twice, as it does under torchrun, which passes a Ctrl-C on to every rank
-    that the terminal has already delivered it to.
+    Training then saves a checkpoint and exits. A second signal aborts at once, unless it comes
+    within `same_within` seconds of the first: under torchrun a terminal's Ctrl-C reaches each rank
+    twice, from the terminal and passed on by torchrun, and the two are one request.
     """
 
-    def __init__(self, announce: bool = True):
+    def __init__(self, announce: bool = True, same_within: float = 0.0):
         self.signal: int | None = None
         self.received = 0.0
-        self.announce = announce
+        self.announce, self.same_within = announce, same_within
 
     def __call__(self) -> bool:
         return self.signal is not None
@@ -1354,7 +1353,7 @@ class StopRequest:
             if self.announce:
                 print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
                       "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
-        elif time.monotonic() - self.received > 1.0:
+        elif time.monotonic() - self.received >= self.same_within:
             raise KeyboardInterrupt
 
     def __exit__(self, *exc_info) -> None:
@@ -1453,7 +1452,8 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
     # With several ranks, the ranks agree after each update on whether any of them was asked to stop.
     stopped_by = 0
     try:
-        with StopRequest(announce=ranks.is_main) as stop:
+        # Under torchrun a terminal's Ctrl-C reaches each rank twice: one request. One process hears it once.
+        with StopRequest(announce=ranks.is_main, same_within=1.0 if ranks.size > 1 else 0.0) as stop:
             while trainer.update < trainer.num_updates:
                 iteration_started = dict(trainer.timings)
                 rollout = trainer.collect_rollout(stop if ranks.size == 1 else lambda: False)

@@ -1,5 +1,6 @@
 """ppo_atari.py through its command line, as a user runs it."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -195,3 +196,32 @@ def test_a_checkpoint_that_lacks_a_field_exits_2(trained, tmp_path):
     del checkpoint["ranks"]
     torch.save(checkpoint, tmp_path / "old.pt")
     one_line_error(run("--resume", tmp_path / "old.pt"), "lacks ranks: another version of ppo_atari.py wrote it")
+
+
+def test_a_second_signal_aborts_one_process_at_once():
+    # One process hears a Ctrl-C once: a second one, however soon, aborts. Only the ranks of a
+    # torchrun run, which hear each Ctrl-C twice, take two within a second as one.
+    for same_within, aborts in [(0.0, True), (1.0, False)]:
+        with ppo_atari.StopRequest(announce=False, same_within=same_within) as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop() and stop.signal == signal.SIGINT
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                aborted = False
+            except KeyboardInterrupt:
+                aborted = True
+        assert aborted == aborts
+
+
+def test_a_run_of_one_process_takes_no_second_signal_as_the_first(tmp_path, monkeypatch, capsys):
+    chosen = []
+
+    class Recorded(ppo_atari.StopRequest):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            chosen.append(self.same_within)
+
+    monkeypatch.setattr(ppo_atari, "StopRequest", Recorded)
+    status = ppo_atari.main(["--total-timesteps", "128", "--num-envs", "2", "--num-steps", "64",
+                             "--run-dir", str(tmp_path)])
+    assert status == 0 and chosen == [0.0]
