@@ -13,12 +13,16 @@ python ppo_atari.py --env Breakout              # train; TensorBoard events in r
 python ppo_atari.py --eval runs/<run>/checkpoint.pt --capture-video
 ```
 
-The defaults are those of the PPO paper's Atari experiments: 8 games, 128 steps each per update, 4
-epochs of 4 minibatches, a learning rate of $2.5 \cdot 10^{-4}$ and a clip range of $0.1$, both
-annealed linearly to zero over 10M agent steps (40M frames). At that budget the PPO paper reports a
-Breakout score of 274.8 (Schulman et al., 2017, table 6), and CleanRL's documentation reports
-414.66 ± 28.09 for its `ppo_atari.py` and 406.57 ± 31.55 for OpenAI baselines' PPO (Huang et al.,
-2022). The README holds what this script measured here, with the commands.
+**What to expect.** The defaults train for 10M agent steps (40M frames) on 8 games at once, 128
+steps each per update, with 4 epochs of 4 minibatches, a learning rate of $2.5 \cdot 10^{-4}$ and a
+clip range of $0.1$, both annealed linearly until the last update, which uses $1/N$ of each ($N$
+updates in all). These are the Atari settings of OpenAI baselines' PPO, which CleanRL's
+`ppo_atari.py` also uses (with a constant clip range); the PPO paper's own (its Table 5) differ in 3
+epochs and a value coefficient of 1. The table under `Config` gives the source of every default.
+At that budget the PPO paper reports a Breakout score of 274.8 (Schulman et al., 2017, table 6),
+and CleanRL's documentation reports 414.66 ± 28.09 for its `ppo_atari.py` and 406.57 ± 31.55 for
+OpenAI baselines' PPO (Huang et al., 2022). The README gives the speed of this script, measured
+with `benchmarks/throughput.py`; it holds no score of a full run of it yet.
 
 Papers: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); the Atari preprocessing and network of DQN (Mnih et al., 2015, Nature 518);
@@ -81,6 +85,31 @@ from torch.distributions import Categorical
 
 @dataclass
 class Config:
+    r"""Every setting of a run, and where each default of the algorithm comes from.
+
+    | setting | ours | PPO paper, Atari (Table 5) | CleanRL `ppo_atari.py` | why ours |
+    |-|-|-|-|-|
+    | `num_envs` x `num_steps` | 8 x 128 | 8 actors x horizon 128 | 8 x 128 | Everyone's |
+    | `learning_rate` | $2.5 \cdot 10^{-4}$, annealed linearly: update $k$ of $N$ uses $(1 - k/N)$ of it, the last $1/N$ | $2.5 \cdot 10^{-4} \times \alpha$, $\alpha$ annealed from 1 to 0 | $2.5 \cdot 10^{-4}$, annealed as ours | Everyone's; "to 0" is where the line would reach after the last update |
+    | `clip_range` | 0.1, annealed as the learning rate | $0.1 \times \alpha$ | 0.1, constant | The paper's and OpenAI baselines' (`cliprange=lambda f: f * 0.1`) |
+    | `update_epochs` | 4 | 3 | 4 | baselines' and CleanRL's |
+    | `num_minibatches` | 4, of 256 transitions | minibatches of 32 x 8 = 256 | 4, of 256 | The same size everywhere |
+    | `gamma` | 0.99 | 0.99 | 0.99 | Everyone's |
+    | `gae_lambda` | 0.95 | 0.95 | 0.95 | Everyone's |
+    | `vf_coef` | 0.5, on a value loss that holds a $\tfrac12$ (see `ppo_loss`): 0.25 on the squared error | $c_1 = 1$ on the squared error | 0.5 on the same $\tfrac12$ | baselines' and CleanRL's; the value loss is also clipped as theirs, where the paper's is not |
+    | `ent_coef` | 0.01 | $c_2 = 0.01$ | 0.01 | Everyone's |
+    | `max_grad_norm` | 0.5 | not given | 0.5 | baselines' and CleanRL's |
+    | `target_kl` | none | none | none | Everyone's |
+    | `total_timesteps` | 10M agent steps (40M frames) | 40M frames | 10M | Everyone's |
+
+    Not settings but fixed in the code, each explained where it is: the Nature CNN with orthogonal
+    initialisation, advantages normalised per minibatch, and Adam's $\epsilon = 10^{-5}$ (baselines'
+    and CleanRL's; the paper gives none). The Atari protocol (`sticky_actions` to
+    `max_episode_frames`) is the DQN preprocessing that CleanRL and baselines also use; `Game`
+    explains each piece. The settings of one invocation rather than of the agent (workers, device,
+    run directory, checkpoints, evaluation) have no row.
+    """
+
     env: str = "Breakout"
     """Atari game: a short name (`Breakout`) or a full id (`BreakoutNoFrameskip-v4`, `ALE/Breakout-v5`).
     A full id only names the game; the protocol comes from the flags below."""
@@ -93,9 +122,9 @@ class Config:
     num_workers: int = 0
     """Processes that play the games (0: one per CPU core, at most one per game)."""
     learning_rate: float = 2.5e-4
-    """Adam's learning rate at the start; annealed linearly to 0 over the run."""
+    """Adam's learning rate at the start, annealed linearly: 1/N of it at the last of N updates."""
     clip_range: float = 0.1
-    """PPO's clip range epsilon at the start; annealed linearly to 0 over the run."""
+    """PPO's clip range epsilon at the start, annealed like the learning rate."""
     gamma: float = 0.99
     """Discount factor."""
     gae_lambda: float = 0.95
@@ -107,13 +136,13 @@ class Config:
     ent_coef: float = 0.01
     """Weight of the entropy bonus."""
     vf_coef: float = 0.5
-    """Weight of the value loss."""
+    """Weight of the value loss (which holds a factor 1/2 of its own)."""
     max_grad_norm: float = 0.5
     """Clip the global norm of the gradient to this."""
     target_kl: float | None = None
     """Stop an update early once the approximate KL divergence to the old policy exceeds this."""
     sticky_actions: float = 0.0
-    """Probability that the emulator repeats the previous action on a frame (0.25: Machado et al.)."""
+    """Probability that the emulator repeats the previous action on a frame (Machado et al. recommend 0.25)."""
     life_loss: bool = True
     """End the learning episode when a life is lost (the game goes on)."""
     noop_max: int = 30
@@ -271,6 +300,10 @@ def check_config(config: Config) -> None:
 # the last 4 of its observations, grey and shrunk to 84 x 84, and learns from rewards clipped to
 # their sign. Our wrapper does the frame skipping itself and asks the ALE to step one frame at a
 # time, with no sticky actions unless `--sticky-actions` sets them and the minimal action set.
+#
+# `--sticky-actions 0.25` gives the emulator the randomness Machado et al. (2018) recommend, but not
+# their whole protocol: they also end an episode only at game over (`--no-life-loss` here) and give
+# the agent no game-specific help, while `Game` always presses FIRE for it.
 
 
 def resolve_env_id(name: str) -> str:
@@ -812,7 +845,9 @@ def ppo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: t
       (V_\text{old} + \mathrm{clip}(V - V_\text{old}, -\epsilon, \epsilon) - R)^2\right).$$
 
     The entropy bonus $S$ keeps the policy from collapsing early. In all,
-    $L = L^\text{CLIP} + c_V L^V - c_S S$.
+    $L = L^\text{CLIP} + c_V L^V - c_S S$, with $c_V$ and $c_S$ the `vf_coef` and `ent_coef`. With
+    the $\tfrac12$ inside $L^V$, $c_V = 0.5$ weighs the squared error by 0.25, where the paper's
+    $c_1 = 1$ weighs it by 1.
 
     `approx_kl` estimates $\mathrm{KL}(\pi_\text{old} \,\|\, \pi_\theta)$ with
     $\mathbb{E}[(r - 1) - \log r]$, unbiased and never negative (Schulman, "Approximating KL
