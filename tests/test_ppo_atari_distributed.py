@@ -10,38 +10,16 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 import ppo_atari
 from conftest import ROOT
+from ppo_atari_helpers import RandomFrames
 from processes import children_of, free_port, living, process_tree
 
 SCRIPT = str(ROOT / "ppo_atari.py")
-
-
-class RandomFrames:
-    """A vector env of random frames and rewards from its own seed: stands in for each rank's games."""
-
-    def __init__(self, num_envs: int, seed: int):
-        self.num_envs, self.n_actions = num_envs, 4
-        self.rng = np.random.default_rng(seed)
-        self.obs = np.zeros((num_envs, 4, 84, 84), np.uint8)
-        self.final_obs = np.zeros_like(self.obs)
-
-    def reset(self):
-        self.obs[:] = self.rng.integers(0, 256, self.obs.shape)
-        return self.obs
-
-    def step(self, actions):
-        self.obs[:] = self.rng.integers(0, 256, self.obs.shape)
-        rewards = self.rng.normal(size=self.num_envs).astype(np.float32)
-        terminated = self.rng.random(self.num_envs) < 0.1
-        truncated = ~terminated & (self.rng.random(self.num_envs) < 0.05)
-        self.final_obs[truncated] = self.rng.integers(0, 256, self.final_obs[truncated].shape)
-        return ppo_atari.VecStep(self.obs, rewards, terminated, truncated, self.final_obs, [])
 
 
 CONFIG = dict(num_envs=2, num_steps=8, num_minibatches=1, update_epochs=2, total_timesteps=32 * 10,
@@ -53,8 +31,8 @@ def run_rank(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(100 + rank)  # different initialisations: the broadcast must make them equal
     config = ppo_atari.Config(**CONFIG)
-    trainer = ppo_atari.Trainer(config, RandomFrames(2, seed=rank), torch.device("cpu"),
-                                ranks=ppo_atari.Ranks(size=2, rank=rank))
+    trainer = ppo_atari.DataParallelTrainer(config, RandomFrames(2, seed=rank), torch.device("cpu"),
+                                            ppo_atari.Ranks(size=2, rank=rank))
     gradients = record_gradients(trainer)
     initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     rollouts, stats, weights = [], [], []
@@ -175,8 +153,8 @@ def run_failing_rank(rank: int, port: int, out: str, dies_in: str) -> None:
     """Rank 1 dies after one update, in the next rollout or the next update; rank 0 goes on and
     writes down how it ended, then leaves at once, the moment at which an abort would come."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    trainer = ppo_atari.Trainer(ppo_atari.Config(**CONFIG), RandomFrames(2, seed=rank), torch.device("cpu"),
-                                ranks=ppo_atari.Ranks(size=2, rank=rank))
+    trainer = ppo_atari.DataParallelTrainer(ppo_atari.Config(**CONFIG), RandomFrames(2, seed=rank),
+                                            torch.device("cpu"), ppo_atari.Ranks(size=2, rank=rank))
     trainer.update_policy(trainer.collect_rollout())
     if rank == 1:
         if dies_in == "update":
