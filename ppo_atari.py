@@ -2,23 +2,29 @@ r"""
 # Proximal Policy Optimization on Atari
 
 This page trains an agent to play an Atari 2600 game from pixels with Proximal Policy
-Optimization (PPO), and is written to be read top to bottom. Everything the agent needs is here, in
-one file: the wrapper that turns the emulator into frames a network can learn from, the processes
-that play many games at once, the convolutional actor-critic, generalized advantage estimation, the
-clipped objective, and the trainer with its logs and checkpoints.
+Optimization (PPO), and is written to be read top to bottom. It shows the algorithm first, for one
+process: the wrapper that turns the emulator into frames a network can learn from, the
+convolutional actor-critic, generalized advantage estimation, the clipped objective and the loop of
+training. The engineering follows: the processes that play many games at once, the command line,
+checkpoints and logs, data-parallel training. Everything it needs is in this one file.
 
 ```
 pip install -r requirements.txt
 python ppo_atari.py --env Breakout              # train; TensorBoard events in runs/
 python ppo_atari.py --eval runs/<run>/checkpoint.pt --capture-video
+torchrun --nproc_per_node 4 ppo_atari.py --env Breakout    # data-parallel: see Part 4
 ```
 
-The defaults are those of the PPO paper's Atari experiments: 8 games, 128 steps each per update, 4
-epochs of 4 minibatches, a learning rate of $2.5 \cdot 10^{-4}$ and a clip range of $0.1$, both
-annealed linearly to zero over 10M agent steps (40M frames). At that budget the PPO paper reports a
-Breakout score of 274.8 (Schulman et al., 2017, table 6), and CleanRL's documentation reports
-414.66 ± 28.09 for its `ppo_atari.py` and 406.57 ± 31.55 for OpenAI baselines' PPO (Huang et al.,
-2022). The README holds what this script measured here, with the commands.
+**What to expect.** The defaults train for 10M agent steps (40M frames) on 8 games at once, 128
+steps each per update, with 4 epochs of 4 minibatches, a learning rate of $2.5 \cdot 10^{-4}$ and a
+clip range of $0.1$, both annealed linearly until the last update, which uses $1/N$ of each ($N$
+updates in all). These are the Atari settings of OpenAI baselines' PPO, which CleanRL's
+`ppo_atari.py` also uses (with a constant clip range); the PPO paper's own (its Table 5) differ in 3
+epochs and a value coefficient of 1. The table under `Config` gives the source of every default.
+At that budget the PPO paper reports a Breakout score of 274.8 (Schulman et al., 2017, table 6),
+and CleanRL's documentation reports 414.66 ± 28.09 for its `ppo_atari.py` and 406.57 ± 31.55 for
+OpenAI baselines' PPO (Huang et al., 2022). The README gives the speed of this script, measured
+with `benchmarks/throughput.py`; it holds no score of a full run of it yet.
 
 Papers: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); the Atari preprocessing and network of DQN (Mnih et al., 2015, Nature 518);
@@ -28,13 +34,16 @@ et al. (2022, "The 37 implementation details of PPO", ICLR blog track).
 
 The page in order:
 
-1. Configuration: every hyperparameter, with the command line derived from it.
-2. The game: `Game`, one Atari game as the learner sees it.
-3. The workers: `Workers`, many games in other processes, frames in shared memory.
-4. The model: `ActorCritic`, the Nature CNN with a policy head and a value head.
-5. The math: `compute_gae` and `ppo_loss`.
-6. The trainer: sampling, updating, logging, checkpoints.
-7. Evaluation and `main()`.
+1. **The algorithm**, for one process: the hyperparameters (`Config`, and where each default comes
+   from); the game (`Game`, made by `make_env`); the model (`ActorCritic`, built by `make_model`);
+   the advantages (`compute_gae`, `normalize_advantages`); the clipped objective (`ppo_loss`); the
+   rollout, the update and the loop of training (`Trainer`).
+2. **Sampling at speed**: `Workers`, many games in other processes, frames in shared memory.
+3. **Running it for real**: the command line, the hardware choices (`TunedTrainer`), checkpoints,
+   logging and progress, signals (`StopRequest`), the run (`train`), evaluation and video, `main()`.
+4. **More than one device**: data-parallel training under torchrun (`DataParallelTrainer`, `Ranks`).
+
+Licence: MIT (see LICENSE in the repository this file comes from); copy it freely, keeping this line.
 """
 
 from __future__ import annotations
@@ -72,15 +81,47 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributions import Categorical
 
-# ## Configuration
+
+# ## Part 1: The algorithm
+#
+# Everything PPO does, in the order it runs, for one process: the settings, the game as the learner
+# sees it, the network, the advantages and the loss, then sampling, updating and the loop that
+# repeats them. A reader who stops at the end of this part has seen all of PPO. The later parts
+# make it fast, usable and wider by extending what is here, never by reaching into it.
+#
+# ### The hyperparameters
 #
 # One dataclass holds every setting of a run. The string under each field is its documentation and
-# also its `--help` text: the command line is derived from this class, with `num_envs` spelled
-# `--num-envs`, and booleans as `--flag` / `--no-flag`.
+# its `--help` text: the command line (Part 3) is derived from it (`num_envs` is `--num-envs`).
 
 
 @dataclass
 class Config:
+    r"""Every setting of a run, and where each default of the algorithm comes from.
+
+    | setting | ours | PPO paper, Atari (Table 5) | CleanRL `ppo_atari.py` | why ours |
+    |-|-|-|-|-|
+    | `num_envs` x `num_steps` | 8 x 128 | 8 actors x horizon 128 | 8 x 128 | Everyone's |
+    | `learning_rate` | $2.5 \cdot 10^{-4}$, annealed linearly: update $k$ of $N$ uses $(1 - k/N)$ of it, the last $1/N$ | $\alpha \cdot 2.5 \cdot 10^{-4}$, with $\alpha$ annealed from 1 to 0 over the run | $2.5 \cdot 10^{-4}$, annealed as ours | Everyone's; "to 0" is where the line would reach after the last update |
+    | `clip_range` | 0.1, annealed as the learning rate | $\alpha \cdot 0.1$ | 0.1, constant | The paper's and OpenAI baselines' (`cliprange=lambda f: f * 0.1`) |
+    | `update_epochs` | 4 | 3 | 4 | baselines' and CleanRL's |
+    | `num_minibatches` | 4, of 256 transitions | minibatches of 32 x 8 = 256 | 4, of 256 | The same size everywhere |
+    | `gamma` | 0.99 | 0.99 | 0.99 | Everyone's |
+    | `gae_lambda` | 0.95 | 0.95 | 0.95 | Everyone's |
+    | `vf_coef` | 0.5, on a value loss that holds a $\tfrac12$ (see `ppo_loss`): 0.25 on the squared error | $c_1 = 1$ on the squared error | 0.5 on the same $\tfrac12$ | baselines' and CleanRL's; the value loss is also clipped as theirs, where the paper's is not |
+    | `ent_coef` | 0.01 | $c_2 = 0.01$ | 0.01 | Everyone's |
+    | `max_grad_norm` | 0.5 | not given | 0.5 | baselines' and CleanRL's |
+    | `target_kl` | none | none | none | Everyone's |
+    | `total_timesteps` | 10M agent steps (40M frames) | 40M frames | 10M | Everyone's |
+
+    Not settings but fixed in the code, each explained where it is: the Nature CNN with orthogonal
+    initialisation, advantages normalised per minibatch, and Adam's $\epsilon = 10^{-5}$ (baselines'
+    and CleanRL's; the paper gives none). The Atari protocol (`sticky_actions` to
+    `max_episode_frames`) is the DQN preprocessing that CleanRL and baselines also use; `Game`
+    explains each piece. The settings of one invocation rather than of the agent (workers, device,
+    run directory, checkpoints, evaluation) have no row.
+    """
+
     env: str = "Breakout"
     """Atari game: a short name (`Breakout`) or a full id (`BreakoutNoFrameskip-v4`, `ALE/Breakout-v5`).
     A full id only names the game; the protocol comes from the flags below."""
@@ -93,9 +134,9 @@ class Config:
     num_workers: int = 0
     """Processes that play the games (0: one per CPU core, at most one per game)."""
     learning_rate: float = 2.5e-4
-    """Adam's learning rate at the start; annealed linearly to 0 over the run."""
+    """Adam's learning rate at the start, annealed linearly: 1/N of it at the last of N updates."""
     clip_range: float = 0.1
-    """PPO's clip range epsilon at the start; annealed linearly to 0 over the run."""
+    """PPO's clip range epsilon at the start, annealed like the learning rate."""
     gamma: float = 0.99
     """Discount factor."""
     gae_lambda: float = 0.95
@@ -107,13 +148,13 @@ class Config:
     ent_coef: float = 0.01
     """Weight of the entropy bonus."""
     vf_coef: float = 0.5
-    """Weight of the value loss."""
+    """Weight of the value loss (which holds a factor 1/2 of its own)."""
     max_grad_norm: float = 0.5
     """Clip the global norm of the gradient to this."""
     target_kl: float | None = None
     """Stop an update early once the approximate KL divergence to the old policy exceeds this."""
     sticky_actions: float = 0.0
-    """Probability that the emulator repeats the previous action on a frame (0.25: Machado et al.)."""
+    """Probability that the emulator repeats the previous action on a frame (Machado et al. recommend 0.25)."""
     life_loss: bool = True
     """End the learning episode when a life is lost (the game goes on)."""
     noop_max: int = 30
@@ -153,15 +194,832 @@ class Config:
         return self.batch_size // self.num_minibatches
 
 
+# ### The game
+#
+# The emulator shows 210 x 160 colour frames at 60 per second and knows nothing of learning. The
+# `Game` class turns it into what the DQN paper (Mnih et al., 2015) fed its network, the protocol
+# PPO, CleanRL and rl-zoo all report on: the agent picks an action every 4th frame, sees a stack of
+# the last 4 of its observations, grey and shrunk to 84 x 84, and learns from rewards clipped to
+# their sign. Our wrapper does the frame skipping itself and asks the ALE to step one frame at a
+# time, with no sticky actions unless `--sticky-actions` sets them and the minimal action set.
+#
+# `--sticky-actions 0.25` gives the emulator the randomness Machado et al. (2018) recommend, but not
+# their whole protocol: they also end an episode only at game over (`--no-life-loss` here) and give
+# the agent no game-specific help, while `Game` always presses FIRE for it.
+
+
+class Transition(NamedTuple):
+    """What one agent step of a `Game` reports besides the new observation."""
+
+    reward: float      # the reward for learning: the sign of the points scored in the step
+    terminated: bool   # the learning episode ended with no future: game over, or a life lost (with life loss on)
+    truncated: bool    # the game was cut at the frame cap: its future exists but we stop watching; bootstrap it
+    game_over: bool    # the whole game ended (by either cause): it must be reset before the next step
+    score: float       # the game's real, unclipped score so far
+    length: int        # agent steps taken in this game so far
+
+
+class Game:
+    r"""One Atari game as the learner sees it.
+
+    The pieces, each a known trick (Mnih et al., 2015; Machado et al., 2018; Huang et al., 2022):
+
+    * **No-op starts.** A deterministic emulator starts every game the same way, so after a reset a
+      random number (1 to `noop_max`) of frames pass with no action, and games differ from the start.
+    * **FIRE to start.** Games whose second action is FIRE (Breakout, Pong, ...) wait for it before
+      play begins, after a reset and after each lost life. Pressing it for the agent saves it
+      thousands of wasted steps learning to serve.
+    * **Frame skip and max-pool.** Each action is repeated for `frame_skip` frames and the rewards
+      summed. The observation is the pixel-wise maximum of the last two frames, because the Atari
+      draws some sprites only on every other frame and one frame alone can miss them.
+    * **Grey, small, stacked.** The pooled frame is converted to luminance (the ALE's own palette
+      conversion), shrunk to 84 x 84 with area averaging, and stacked with the three before it, so
+      the network can see motion. Frames stay `uint8`, channels first; the newest is last.
+    * **Reward clipping.** Learning sees $\mathrm{sign}(r)$, so one learning rate fits games whose
+      points come in ones and games whose points come in thousands. The real score is kept apart and
+      is what we report.
+    * **Life loss.** Losing a life ends the episode *for learning*: the advantage stops there, which
+      teaches the agent that a life is worth keeping. The game is not reset; it goes on with the
+      next life, and the score runs on.
+    * **Two ends.** Game over is a *termination*: there is no future to value. The frame cap is a
+      *truncation*: the game could go on, we just stopped it, and the value of where it was cut is
+      real. The two are reported apart so the advantage computation can treat them apart.
+
+    `obs` is the current stack of frames, updated in place; copy it to keep it. A worker passes a
+    view of shared memory as `obs`, so the frames land where the main process reads them.
+    """
+
+    observation_shape = (4, 84, 84)
+    """A stack of the last 4 observations, each grey and 84 x 84: the only place this shape is
+    written; the workers and the network take it from the game."""
+
+    def __init__(self, env_id: str, seed: int, *, sticky_actions: float = 0.0, life_loss: bool = True,
+                 noop_max: int = 30, frame_skip: int = 4, max_episode_frames: int = 108_000,
+                 obs: np.ndarray | None = None):
+        gym.register_envs(ale_py)
+        ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner from every emulator
+        # The ALE steps one frame at a time (`frameskip=1`) and cuts the game at the frame cap, which
+        # it then reports through `game_truncated()` rather than as a game over.
+        env = gym.make(env_id, frameskip=1, repeat_action_probability=sticky_actions,
+                       full_action_space=False, max_num_frames_per_episode=max_episode_frames)
+        self.env = env.unwrapped
+        self.env.reset(seed=int(seed))
+        self.ale = self.env.ale
+        self.actions = self.ale.getMinimalActionSet()
+        self.n_actions = len(self.actions)
+        meanings = self.env.get_action_meanings()
+        self.fire = self.actions[1] if len(meanings) >= 3 and meanings[1] == "FIRE" else None
+        self.life_loss = life_loss
+        self.noop_max = noop_max
+        self.frame_skip = frame_skip
+        self.rng = np.random.default_rng(int(seed))
+        height, width = self.ale.getScreenDims()
+        self.screens = np.zeros((2, height, width), np.uint8)
+        self.pooled = np.zeros((height, width), np.uint8)
+        self.obs = np.zeros(self.observation_shape, np.uint8) if obs is None else obs
+        self.score = 0.0
+        self.length = 0
+        self.lives = 0
+
+    def reset(self) -> np.ndarray:
+        """Start a new game: no-ops, FIRE if the game needs it, and a stack of the first frame."""
+        self.ale.reset_game()
+        for _ in range(self.rng.integers(1, self.noop_max + 1) if self.noop_max > 0 else 0):
+            self.ale.act(ale_py.Action.NOOP)
+            if self.ale.game_over():
+                self.ale.reset_game()
+        self.score = 0.0
+        self.length = 0
+        if self.fire is not None:
+            self.score += self._play(self.fire)
+            if self.ale.game_over():
+                return self.reset()
+        else:
+            self.ale.getScreenGrayscale(self.screens[0])
+            self.screens[1] = self.screens[0]
+        self.lives = self.ale.lives()
+        self._observe(new_game=True)
+        return self.obs
+
+    def step(self, action: int) -> Transition:
+        """Play `action` (an index into the minimal action set) for `frame_skip` frames."""
+        points = self._play(self.actions[action])
+        self.score += points
+        self.length += 1
+        lives = self.ale.lives()
+        life_lost = lives < self.lives and not self.ale.game_over()
+        self.lives = lives
+        # After a lost life, serve again for the agent. The frames of the serve belong to the next
+        # life, so its points (none, in the games we know) count for the score but not as a reward.
+        if life_lost and self.fire is not None:
+            self.score += self._play(self.fire)
+        game_over = self.ale.game_over(with_truncation=False)
+        truncated = self.ale.game_truncated()
+        self._observe(new_game=False)
+        return Transition(reward=float((points > 0) - (points < 0)),
+                          terminated=game_over or (self.life_loss and life_lost),
+                          truncated=truncated,
+                          game_over=game_over or truncated,
+                          score=self.score, length=self.length)
+
+    def render(self) -> np.ndarray:
+        """The current frame in colour, 210 x 160 x 3 RGB, for videos."""
+        return self.ale.getScreenRGB()
+
+    def _play(self, action: ale_py.Action) -> float:
+        """Repeat `action` for `frame_skip` frames; leave the last two frames in `screens`."""
+        points = 0.0
+        for frame in range(self.frame_skip):
+            points += self.ale.act(action)
+            if frame >= self.frame_skip - 2:
+                self.ale.getScreenGrayscale(self.screens[frame - self.frame_skip + 2])
+            if self.ale.game_over():
+                # The game ended before the last frame: the screens not yet grabbed would be stale,
+                # so the final frame stands in for them.
+                if frame < self.frame_skip - 1:
+                    self.ale.getScreenGrayscale(self.screens[1])
+                if frame < self.frame_skip - 2:
+                    self.screens[0] = self.screens[1]
+                break
+        return points
+
+    def _observe(self, new_game: bool) -> None:
+        """Pool the last two screens, shrink the result into the newest slot of the stack."""
+        np.maximum(self.screens[0], self.screens[1], out=self.pooled)
+        if not new_game:
+            self.obs[:-1] = self.obs[1:]
+        height, width = self.observation_shape[1:]
+        cv2.resize(self.pooled, (width, height), dst=self.obs[-1], interpolation=cv2.INTER_AREA)
+        if new_game:
+            self.obs[:-1] = self.obs[-1]  # a new game has no past: its first frame fills the stack
+
+
+def make_env(env_id: str, seed: int, options: dict, obs: np.ndarray | None = None) -> Game:
+    """One game, made here and nowhere else: the workers (Part 2) and the evaluation (Part 3) call this.
+
+    The rest of the page asks of a game what `Game` offers: `obs` (`uint8`, channels first, updated
+    in place, in the array `obs` when one is given), `n_actions`, `reset()`, `step(action)` returning
+    a `Transition`, and `render()`. The shapes of the frames and of the network follow from it, so a
+    fork that trains on another task with pixels and discrete actions changes this function and the
+    wrapper it returns, and nothing else (the tests train a small gymnasium task this way).
+    """
+    return Game(env_id, seed, obs=obs, **options)
+
+
+# ### The model
+#
+# The network of the DQN paper ("Nature CNN"): three convolutions and a 512-unit layer, shared by
+# two linear heads, one for the logits of the policy $\pi_\theta(a|s)$ and one for the value
+# $V_\theta(s)$. Sharing the torso halves the compute; the price is that the value loss and the
+# policy loss pull on the same features, which `vf_coef` balances.
+
+
+def layer_init(layer: nn.Module, gain: float = math.sqrt(2)) -> nn.Module:
+    r"""Orthogonal weights scaled by `gain`, zero biases.
+
+    Orthogonal matrices keep the norm of what passes through them, so activations neither explode
+    nor vanish with depth; $\sqrt 2$ makes up for the half of each ReLU's input that is cut to 0.
+    The policy head starts at gain 0.01, so the first policy is almost uniform and every action is
+    tried; the value head starts at gain 1.
+    """
+    nn.init.orthogonal_(layer.weight, gain)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+class ActorCritic(nn.Module):
+    """A torso shared by a policy head and a value head; `make_model` below builds the one we use.
+
+    Frames arrive as `uint8`, four times fewer bytes to move than float32, and are scaled to [0, 1]
+    on the device, where the network runs.
+    """
+
+    def __init__(self, torso: nn.Module, policy: nn.Module, value: nn.Module):
+        super().__init__()
+        self.torso, self.policy, self.value = torso, policy, value
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits `[batch, n_actions]` and values `[batch]` for `uint8` frames `[batch, *observation_shape]`."""
+        hidden = self.features(obs)
+        return self.policy(hidden), self.value(hidden).squeeze(-1)
+
+    def features(self, obs: torch.Tensor) -> torch.Tensor:
+        """What the torso makes of the frames, scaled from bytes to [0, 1] first."""
+        return self.torso(obs.float() * (1.0 / 255.0))
+
+
+def make_model(observation_shape: tuple[int, ...], n_actions: int) -> ActorCritic:
+    """The network, built here and nowhere else: the Nature CNN for frames of `observation_shape`
+    (channels first), with a policy head of `n_actions` logits and a value head."""
+    channels = observation_shape[0]
+    convolutions = nn.Sequential(
+        layer_init(nn.Conv2d(channels, 32, kernel_size=8, stride=4)), nn.ReLU(inplace=True),  # 84 x 84 -> 20 x 20
+        layer_init(nn.Conv2d(32, 64, kernel_size=4, stride=2)), nn.ReLU(inplace=True),        # -> 9 x 9
+        layer_init(nn.Conv2d(64, 64, kernel_size=3, stride=1)), nn.ReLU(inplace=True),        # -> 7 x 7
+    )
+    # What the convolutions leave of a frame of this shape: a blank one passed through tells.
+    with torch.no_grad():
+        features = convolutions(torch.zeros((1,) + tuple(observation_shape))).numel()
+    torso = nn.Sequential(*convolutions, nn.Flatten(), layer_init(nn.Linear(features, 512)), nn.ReLU(inplace=True))
+    policy = layer_init(nn.Linear(512, n_actions), gain=0.01)
+    value = layer_init(nn.Linear(512, 1), gain=1.0)
+    return ActorCritic(torso, policy, value)
+
+
+# ### Generalized advantage estimation
+#
+# The policy gradient needs to know how much better an action was than the policy's average at
+# that state: the advantage $A_t$. GAE (Schulman et al., 2016) blends estimates of it from one step
+# to the whole rollout.
+
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor,
+                terminated: torch.Tensor, truncated: torch.Tensor, gamma: float,
+                gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Advantages and returns for a rollout; every argument is `[num_steps, num_envs]`.
+
+    With the TD error of step $t$
+
+    $$\delta_t = r_t + \gamma (1 - \mathrm{terminated}_t) V(s_{t+1}) - V(s_t),$$
+
+    the advantage is the exponentially weighted sum of the TD errors that follow, cut where the
+    episode ends:
+
+    $$\hat A_t = \delta_t + \gamma \lambda (1 - \mathrm{done}_t) \hat A_{t+1},$$
+
+    where $\mathrm{done}_t = \mathrm{terminated}_t \lor \mathrm{truncated}_t$.
+
+    The returns that the value function regresses to are $\hat A_t + V(s_t)$, an estimate of the
+    $\lambda$-return.
+
+    `next_values[t]` is $V(s_{t+1})$, the value of the observation that step $t$ led to. Where the
+    game went on, that is simply `values[t + 1]` (or the value of the observation after the rollout).
+    Where step $t$ ended a game, the observation the workers returned is already the first of the
+    next game, so the caller supplies the value of the game's *final* observation instead.
+
+    **Why termination and truncation stay apart.** A termination (game over, a lost life) means
+    there is no future: the value after it is 0 and is not bootstrapped. A truncation (the frame cap)
+    means only that we stopped watching: the game would have gone on scoring, so $\delta_t$
+    bootstraps from $V$ of the final observation, while the sum over later TD errors is still cut,
+    since those belong to the next game. Folding the two into one `done` flag, as most reference
+    implementations do, teaches the value function that the world ends at the frame cap, a fact the
+    agent cannot see in its observation; Pardo et al. (2018) show the bias this causes. On Atari the
+    cap is rarely reached, but the code is forked into tasks where time limits are everywhere.
+    """
+    num_steps = rewards.shape[0]
+    advantages = torch.zeros_like(rewards)
+    not_terminated = 1.0 - terminated.float()
+    not_done = 1.0 - torch.maximum(terminated.float(), truncated.float())
+    deltas = rewards + gamma * not_terminated * next_values - values
+    advantage = torch.zeros_like(rewards[0])
+    for t in reversed(range(num_steps)):
+        advantage = deltas[t] + gamma * gae_lambda * not_done[t] * advantage
+        advantages[t] = advantage
+    return advantages, advantages + values
+
+
+def normalize_advantages(advantages: torch.Tensor) -> torch.Tensor:
+    r"""The advantages of a minibatch, standardised: $\hat A_i \leftarrow (\hat A_i - \mu) / (\sigma + 10^{-8})$.
+
+    $\mu$ is their mean over the minibatch and $\sigma$ their (unbiased) standard deviation. The size
+    of the step then no longer depends on the scale of the rewards, and about half the actions are
+    pushed up, half down. The $10^{-8}$ keeps a minibatch of equal advantages finite.
+    """
+    return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+
+
+# ### The clipped objective
+#
+# A policy gradient step is only accurate near the policy that collected the data. PPO takes many
+# minibatch steps on one batch, and keeps the new policy near the old one by taking away any gain
+# from moving the probability ratio $r_t(\theta) = \pi_\theta(a_t|s_t) / \pi_{\theta_\text{old}}(a_t|s_t)$
+# outside $[1 - \epsilon, 1 + \epsilon]$.
+
+
+class LossTerms(NamedTuple):
+    """What the loss returns: the total to minimise, then its terms and two diagnostics, each a
+    scalar tensor. Every field but `loss` is logged as `losses/<name>`, so a term added here is
+    logged with no other edit."""
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    value_loss: torch.Tensor
+    entropy: torch.Tensor
+    approx_kl: torch.Tensor
+    clipfrac: torch.Tensor
+
+
+def ppo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+             values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, entropy: torch.Tensor,
+             clip_range: float, config: Config) -> LossTerms:
+    r"""PPO's loss on a minibatch (advantages already normalised), to be minimised.
+
+    The policy term is the negated clipped surrogate of Schulman et al. (2017, eq. 7):
+
+    $$L^\text{CLIP} = -\mathbb{E}_t\left[\min\left(r_t \hat A_t,\;
+      \mathrm{clip}(r_t, 1 - \epsilon, 1 + \epsilon)\, \hat A_t\right)\right].$$
+
+    The minimum makes it a pessimistic bound: when the ratio has already moved past the clip in
+    the direction the advantage favours, the clipped term is the smaller, it is constant in
+    $\theta$, and its gradient is zero. When the ratio moved the wrong way, the unclipped term is
+    the smaller and the gradient pulls it back, however far it went.
+
+    The value term clips the same way around the old prediction, as the reference implementation
+    of the paper does (OpenAI baselines), and takes the larger error:
+
+    $$L^V = \tfrac12 \mathbb{E}_t \max\left((V - R)^2,\;
+      (V_\text{old} + \mathrm{clip}(V - V_\text{old}, -\epsilon, \epsilon) - R)^2\right).$$
+
+    The entropy bonus $S$ keeps the policy from collapsing early. In all,
+    $L = L^\text{CLIP} + c_V L^V - c_S S$, with $c_V$ and $c_S$ the `vf_coef` and `ent_coef` of
+    `config`; $\epsilon$ is `clip_range`, this update's point on its schedule. With the $\tfrac12$
+    inside $L^V$, $c_V = 0.5$ weighs the squared error by 0.25, where the paper's $c_1 = 1$ weighs it by 1.
+
+    `approx_kl` estimates $\mathrm{KL}(\pi_\text{old} \,\|\, \pi_\theta)$ with
+    $\mathbb{E}[(r - 1) - \log r]$, unbiased and never negative (Schulman, "Approximating KL
+    divergence", 2020); `clipfrac` is the share of samples whose ratio is outside the clip. A
+    variant of the loss (a KL penalty, say) reads its own settings from `config` and returns its
+    own terms: nothing else needs to change.
+    """
+    log_ratio = log_probs - old_log_probs
+    ratio = log_ratio.exp()
+    # Clip the ratio so one update cannot move the policy far: $\mathrm{clip}(r_t, 1-\epsilon, 1+\epsilon)$.
+    clipped_ratio = ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = torch.max(-advantages * ratio, -advantages * clipped_ratio).mean()
+
+    clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    value_loss = 0.5 * torch.max((values - returns) ** 2, (clipped_values - returns) ** 2).mean()
+
+    entropy = entropy.mean()
+    loss = policy_loss + config.vf_coef * value_loss - config.ent_coef * entropy
+    with torch.no_grad():
+        approx_kl = ((ratio - 1.0) - log_ratio).mean()
+        clipfrac = ((ratio - 1.0).abs() > clip_range).float().mean()
+    return LossTerms(loss, policy_loss, value_loss, entropy, approx_kl, clipfrac)
+
+
+def linear_schedule(initial: float, update: int, num_updates: int) -> float:
+    """`initial` annealed linearly: the full value at update 0, `initial / num_updates` at the last."""
+    return initial * (1.0 - update / num_updates)
+
+
+def explained_variance(predictions: torch.Tensor, targets: torch.Tensor) -> float:
+    r"""$1 - \mathrm{Var}[y - \hat y] / \mathrm{Var}[y]$: 1 for a perfect value function, 0 for a constant one."""
+    variance = targets.var()
+    return float("nan") if variance == 0 else float(1.0 - (targets - predictions).var() / variance)
+
+
+# ### The rollout and the update
+#
+# Each update has two phases. **Sampling**: every game plays `num_steps` steps with the current
+# policy while we store observations, actions, their log-probabilities under the policy that chose
+# them, the values, rewards and episode ends. **Updating**: GAE turns the rollout into advantages
+# and returns, then `update_epochs` passes over the batch in shuffled minibatches minimise
+# `ppo_loss`. The rollout lives on the device, so the update never waits for a copy.
+#
+# The trainer plays many games at once. What it needs of them is little: `num_envs`,
+# `observation_shape`, `n_actions`, `reset()`, which returns the first observations, and
+# `step(actions)`, which returns a `VecStep`. Part 2's `Workers` provide them at speed; the tests
+# use small synthetic ones.
+
+
+class VecStep(NamedTuple):
+    """One step of all games at once. Where a game ended it was reset in the same step. The arrays
+    may be overwritten by the next step (the workers' are views of shared memory)."""
+
+    obs: np.ndarray
+    """`[num_envs, *observation_shape]` uint8: the observation after the step (the first of a new game where one ended)."""
+    rewards: np.ndarray
+    """`[num_envs]` float32: clipped rewards."""
+    terminated: np.ndarray
+    """`[num_envs]` bool."""
+    truncated: np.ndarray
+    """`[num_envs]` bool."""
+    final_obs: np.ndarray
+    """`[num_envs, *observation_shape]` uint8: the last observation of each game that was truncated in this step."""
+    finished_games: list[tuple[int, float, int]]
+    """`(env index, score, length)` of each whole game that ended in this step."""
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient became NaN or infinite."""
+
+
+class Rollout(NamedTuple):
+    r"""One rollout as `update_policy` reads it: tensors on the device, indexed `[step, game]`.
+
+    `log_probs` and `values` are those of the policy that chose the actions, which the update
+    compares against; `next_values[t]` is $V(s_{t+1})$ as `compute_gae` defines it.
+    """
+
+    obs: torch.Tensor             # [num_steps, num_envs, *observation_shape] uint8
+    actions: torch.Tensor         # [num_steps, num_envs]
+    log_probs: torch.Tensor
+    values: torch.Tensor
+    next_values: torch.Tensor
+    rewards: torch.Tensor
+    terminated: torch.Tensor
+    truncated: torch.Tensor
+
+
+# What `Trainer.update_policy` reports besides what it measured: the points of the schedules, and
+# how many epochs ran. Everything else in its result is a measurement, logged under `losses/`.
+NOT_MEASURED = ("learning_rate", "clip_range", "epochs", "stopped_early")
+
+
+class Trainer:
+    """PPO: the model, the optimizer, the rollout storage and the update.
+
+    `envs` are the games it samples from (see above); `device` is where the model runs.
+    """
+
+    def __init__(self, config: Config, envs, device: torch.device):
+        self.config = config
+        self.envs = envs
+        self.device = device
+        self.num_updates = config.total_timesteps // self.steps_per_update
+        self.model = self.build_model().to(device)
+        # Adam with eps 1e-5 rather than its default 1e-8, as in the PPO reference implementation;
+        # the fused kernel updates all parameters in one pass instead of a dozen small ops each.
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate, eps=1e-5, fused=True)
+        self.update = 0
+        self.global_step = 0
+        shape = (config.num_steps, envs.num_envs)
+        self.obs = self.frame_storage(shape)
+        self.actions = torch.zeros(shape, dtype=torch.long, device=device)
+        self.log_probs, self.values, self.next_values, self.rewards, self.terminated, self.truncated = (
+            torch.zeros(shape, device=device) for _ in range(6))
+        self.next_obs = self.frame_storage((envs.num_envs,))
+        self.needs_reset = True
+        self.finished_games: list[tuple[int, float, int]] = []
+
+    @property
+    def steps_per_update(self) -> int:
+        """The agent steps that one update consumes: its batch."""
+        return self.config.batch_size
+
+    def build_model(self) -> nn.Module:
+        """The network for these games (`make_model`)."""
+        return make_model(self.envs.observation_shape, self.envs.n_actions)
+
+    def frame_storage(self, leading: tuple[int, ...]) -> torch.Tensor:
+        """Room on the device for `leading` observations: `uint8` frames, as the games give them."""
+        return torch.zeros(leading + tuple(self.envs.observation_shape), dtype=torch.uint8, device=self.device)
+
+    def observe(self, frames: np.ndarray) -> None:
+        """Take the observations the games returned as the next ones the policy sees."""
+        self.next_obs.copy_(torch.from_numpy(frames))
+
+    @torch.inference_mode()
+    def collect_rollout(self) -> Rollout:
+        """Play `num_steps` steps in every game with the current policy."""
+        if self.needs_reset:
+            self.observe(self.envs.reset())
+            self.needs_reset = False
+        self.finished_games = []
+        truncations = []
+        for t in range(self.config.num_steps):
+            # Step $t$: store $s_t$, sample $a_t \sim \pi_\theta(\cdot|s_t)$, and keep
+            # $\log \pi_\theta(a_t|s_t)$ and $V(s_t)$, the old policy's numbers that the update
+            # compares against. A game that ended was reset by its worker, so the frames that come
+            # back start the next game; a truncated game's last frames come apart, to be valued below.
+            self.obs[t] = self.next_obs
+            logits, values = self.model(self.obs[t])
+            policy = Categorical(logits=logits, validate_args=False)
+            actions = policy.sample()
+            self.actions[t], self.log_probs[t], self.values[t] = actions, policy.log_prob(actions), values
+            step = self.envs.step(actions.cpu().numpy())
+            self.rewards[t] = torch.from_numpy(step.rewards).to(self.device)
+            self.terminated[t] = torch.from_numpy(step.terminated).to(self.device)
+            self.truncated[t] = torch.from_numpy(step.truncated).to(self.device)
+            for env in np.flatnonzero(step.truncated):
+                truncations.append((t, int(env), torch.from_numpy(step.final_obs[env].copy())))
+            self.finished_games += step.finished_games
+            self.observe(step.obs)
+        self.global_step += self.steps_per_update
+
+        # $V(s_{t+1})$ for every step: the next stored value, the value after the rollout for the
+        # last step, and the value of the final observation where a game was truncated.
+        self.next_values[:-1] = self.values[1:]
+        self.next_values[-1] = self.model(self.next_obs)[1]
+        if truncations:
+            final_obs = torch.stack([obs for _, _, obs in truncations]).to(self.device)
+            final_values = self.model(final_obs)[1]
+            for (t, env, _), value in zip(truncations, final_values):
+                self.next_values[t, env] = value
+        return Rollout(self.obs, self.actions, self.log_probs, self.values, self.next_values,
+                       self.rewards, self.terminated, self.truncated)
+
+    def normalize_advantages(self, advantages: torch.Tensor) -> torch.Tensor:
+        """The minibatch's advantages, standardised by `normalize_advantages` (Part 4 widens the minibatch)."""
+        return normalize_advantages(advantages)
+
+    def compute_gradients(self, loss: torch.Tensor) -> None:
+        """The gradient of `loss` in the `.grad` of every parameter of the model."""
+        loss.backward()
+
+    def beyond_target_kl(self, approx_kl: torch.Tensor) -> bool:
+        """Whether the policy has moved further than `target_kl` from the one that sampled the batch
+        (never, without a `target_kl`)."""
+        return self.config.target_kl is not None and approx_kl.item() > self.config.target_kl
+
+    def update_policy(self, rollout: Rollout) -> dict[str, float]:
+        """One PPO update on `rollout`, with the learning rate and clip range of `self.update`."""
+        config = self.config
+        learning_rate = linear_schedule(config.learning_rate, self.update, self.num_updates)
+        clip_range = linear_schedule(config.clip_range, self.update, self.num_updates)
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate
+
+        with torch.no_grad():
+            advantages, returns = compute_gae(rollout.rewards, rollout.values, rollout.next_values,
+                                              rollout.terminated, rollout.truncated, config.gamma, config.gae_lambda)
+        # Flatten [steps, envs] into one batch of transitions.
+        obs = rollout.obs.flatten(0, 1)
+        actions, old_log_probs, old_values = (x.flatten() for x in (rollout.actions, rollout.log_probs, rollout.values))
+        advantages, returns = advantages.flatten(), returns.flatten()
+
+        # `update_epochs` passes over the batch, each in a new random order, one step of Adam per
+        # minibatch. With `target_kl` set, the update ends at the first minibatch whose policy has
+        # already moved further than that from the one that sampled the data; its step is not taken.
+        history = []
+        stopped_early = False
+        for epoch in range(config.update_epochs):
+            order = torch.randperm(config.batch_size, device=self.device)
+            for start in range(0, config.batch_size, config.minibatch_size):
+                batch = order[start:start + config.minibatch_size]
+                logits, values = self.model(obs[batch])
+                policy = Categorical(logits=logits, validate_args=False)
+                terms = ppo_loss(policy.log_prob(actions[batch]), old_log_probs[batch],
+                                 self.normalize_advantages(advantages[batch]), values, old_values[batch],
+                                 returns[batch], policy.entropy(), clip_range, config)
+                if self.beyond_target_kl(terms.approx_kl):
+                    stopped_early = True
+                    break
+                self.optimizer.zero_grad(set_to_none=True)
+                self.compute_gradients(terms.loss)
+                grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
+                if not torch.isfinite(grad_norm):
+                    raise NonFiniteError(f"the loss or its gradient became {grad_norm.item()} at update "
+                                         f"{self.update + 1} (epoch {epoch + 1}); no step was taken")
+                self.optimizer.step()
+                history.append(torch.stack([term.detach() for term in terms]))
+            if stopped_early:
+                break
+        self.update += 1
+        # What the update measured: the mean of every term of the loss over the steps taken
+        # (whatever fields its result has), and how much of the returns' variance the values explained.
+        means = torch.stack(history).mean(0) if history else torch.full((len(terms),), float("nan"))
+        measured = {**dict(zip(terms._fields, means.tolist())),
+                    "explained_variance": explained_variance(old_values, returns)}
+        return {**measured, "learning_rate": learning_rate, "clip_range": clip_range, "epochs": epoch + 1,
+                "stopped_early": float(stopped_early)}
+
+    # ### The loop of training
+    #
+    # Sample a rollout, update on it (the advantages are computed there), report, and again, until
+    # the budget of steps is spent. What a real run does after each update (logs, progress,
+    # checkpoints) is Part 3's `after_update`; a loop of a student's own can be as short as
+    # `Trainer(config, envs, device).train(print)`.
+
+    def train(self, after_update: typing.Callable[[dict[str, float]], None] = lambda stats: None) -> None:
+        """Update until `total_timesteps` agent steps are played, handing each update's statistics to `after_update`."""
+        while self.update < self.num_updates:
+            stats = self.update_policy(self.collect_rollout())
+            after_update(stats)
+
+
+# ## Part 2: Sampling at speed
+#
+# ### The workers
+#
+# One emulator plays about 2,500 agent steps a second on one core, and the network wants a batch
+# from many games at every step. `Workers` runs the games in other processes, several per process,
+# and drives them over `Pipe`s as in labml's original design. Three choices make it fast and safe:
+#
+# * **Everything travels through shared memory.** Each worker writes its games' observations,
+#   rewards and episode ends straight into arrays the main process reads; the pipe carries only a
+#   one-word command and a one-word answer. A batch of 8 frame stacks is 225 kB; pickling it at every
+#   step would cost more than the step itself.
+# * **Same-step auto-reset.** When a game ends, the worker resets it at once and the observation
+#   it writes is the first of the next game, so every step returns a usable observation for every
+#   game. The last observation of a truncated game is written apart (`final_obs`), since its value
+#   is needed to bootstrap.
+# * **Failures are loud.** An exception in a worker is sent back with its traceback and raised in
+#   the main process as a `WorkerError`; a worker that dies (killed by the kernel, say) closes its
+#   pipe, which the main process notices at once instead of waiting forever. Workers ignore Ctrl-C,
+#   which is the main process's to handle, and exit by themselves if the main process dies.
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed: the message carries its traceback, or how it died."""
+
+
+def game_seeds(seed: int, count: int) -> np.ndarray:
+    """`count` distinct, independent seeds for the games of a run seeded with `seed`."""
+    return np.random.SeedSequence(seed).generate_state(count)
+
+
+def shared_arrays(context, num_envs: int, observation_shape: tuple[int, ...]) -> dict[str, tuple]:
+    """The blocks of shared memory behind `VecStep`, one row per game, as `(block, shape, dtype)`.
+
+    The blocks are passed to each worker when it starts (this works under `fork` and `spawn`
+    alike), and each side makes its own numpy views of them with `numpy_views`.
+    """
+    frames = (num_envs,) + tuple(observation_shape)
+    layout = {"obs": (frames, np.uint8), "final_obs": (frames, np.uint8), "actions": ((num_envs,), np.int64),
+              "rewards": ((num_envs,), np.float32), "terminated": ((num_envs,), np.bool_),
+              "truncated": ((num_envs,), np.bool_), "game_over": ((num_envs,), np.bool_),
+              "score": ((num_envs,), np.float64), "length": ((num_envs,), np.int64)}
+    return {name: (context.RawArray(ctypes.c_uint8, math.prod(shape) * np.dtype(dtype).itemsize), shape, dtype)
+            for name, (shape, dtype) in layout.items()}
+
+
+def numpy_views(blocks: dict[str, tuple]) -> dict[str, np.ndarray]:
+    return {name: np.frombuffer(block, dtype=dtype, count=math.prod(shape)).reshape(shape)
+            for name, (block, shape, dtype) in blocks.items()}
+
+
+def run_worker(connection: Connection, make_env, env_id: str, seeds: np.ndarray, first_env: int,
+               blocks: dict[str, tuple], game_options: dict) -> None:
+    """The loop of one worker process: it plays games `first_env, first_env + 1, ...`, made by `make_env`.
+
+    It answers each command from the main process (`reset`, `step`, `close`) with `ok` once the
+    arrays of its games are written, or with `error` and its traceback.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cv2.setNumThreads(1)
+    parent = mp.parent_process()
+    try:
+        rows = slice(first_env, first_env + len(seeds))
+        arrays = {name: array[rows] for name, array in numpy_views(blocks).items()}
+        games = [make_env(env_id, seed, game_options, obs=arrays["obs"][i]) for i, seed in enumerate(seeds)]
+        connection.send_bytes(b"ok")
+        while True:
+            ready = wait_for_any([connection] + ([parent.sentinel] if parent is not None else []))
+            if connection not in ready:
+                return  # the main process is gone: leave no orphan behind
+            command = connection.recv_bytes()
+            if command == b"close":
+                return
+            for i, game in enumerate(games):
+                if command == b"reset":
+                    game.reset()
+                    continue
+                step = game.step(int(arrays["actions"][i]))
+                arrays["rewards"][i] = step.reward
+                arrays["terminated"][i] = step.terminated
+                arrays["truncated"][i] = step.truncated
+                arrays["game_over"][i] = step.game_over
+                if step.game_over:
+                    arrays["score"][i], arrays["length"][i] = step.score, step.length
+                    if step.truncated:
+                        arrays["final_obs"][i] = game.obs
+                    game.reset()
+            connection.send_bytes(b"ok")
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return
+    except BaseException:
+        try:
+            connection.send_bytes(b"error " + traceback.format_exc().encode())
+        except (OSError, ValueError):
+            pass
+
+
+class Workers:
+    """`num_envs` games played by `num_workers` processes; the vector env of the trainer.
+
+    `reset()` starts every game and returns the observations; `step(actions)` plays one step of
+    every game and returns a `VecStep`. Use it as a context manager, or call `close()`.
+
+    The games are made by `make_env` (Part 1's, unless another is given; under `spawn` it must be a
+    function of a module the workers can import). One game made here first tells the shape of the
+    observations, which sizes the shared memory, and the number of actions.
+    """
+
+    def __init__(self, env_id: str, num_envs: int, num_workers: int, seed: int, game_options: dict,
+                 start_method: str | None = None, first_game: int = 0, make_env=make_env):
+        context = mp.get_context(start_method)
+        self.num_envs = num_envs
+        # Games `first_game, first_game + 1, ...` of the run: each rank of a distributed run plays its own.
+        seeds = game_seeds(seed, first_game + num_envs)[first_game:]
+        first = make_env(env_id, int(seeds[0]), game_options)
+        self.observation_shape, self.n_actions = tuple(first.obs.shape), first.n_actions
+        del first
+        blocks = shared_arrays(context, num_envs, self.observation_shape)
+        self.arrays = numpy_views(blocks)
+        self.processes: list[mp.process.BaseProcess] = []
+        self.connections: list[Connection] = []
+        # Started with Ctrl-C ignored, so a Ctrl-C while they start (before they can ignore it
+        # themselves) cannot reach them; the setting survives both fork and exec.
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+        try:
+            for index, envs in enumerate(np.array_split(np.arange(num_envs), num_workers)):
+                ours, theirs = context.Pipe()
+                process = context.Process(target=run_worker, name=f"ppo_atari-worker-{index}", daemon=True,
+                                          args=(theirs, make_env, env_id, seeds[envs], int(envs[0]), blocks,
+                                                game_options))
+                process.start()
+                theirs.close()
+                self.processes.append(process)
+                self.connections.append(ours)
+        finally:
+            if in_main_thread:
+                signal.signal(signal.SIGINT, previous)
+        try:
+            self._receive()
+        except BaseException:
+            self.close()
+            raise
+
+    def reset(self) -> np.ndarray:
+        self._send(b"reset")
+        self._receive()
+        return self.arrays["obs"]
+
+    def step(self, actions: np.ndarray) -> VecStep:
+        a = self.arrays
+        a["actions"][:] = actions
+        self._send(b"step")
+        self._receive()
+        finished = [(int(env), float(a["score"][env]), int(a["length"][env])) for env in np.flatnonzero(a["game_over"])]
+        return VecStep(a["obs"], a["rewards"], a["terminated"], a["truncated"], a["final_obs"], finished)
+
+    def _send(self, command: bytes) -> None:
+        for index, connection in enumerate(self.connections):
+            try:
+                connection.send_bytes(command)
+            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+                raise self._death(index) from None
+
+    def _receive(self) -> None:
+        """Wait for every worker's `ok`."""
+        for index, connection in enumerate(self.connections):
+            try:
+                answer = connection.recv_bytes()
+            except (EOFError, ConnectionResetError, OSError):
+                raise self._death(index) from None
+            if answer.startswith(b"error"):
+                raise WorkerError(f"worker {index} failed; its traceback:\n{answer[6:].decode().rstrip()}")
+
+    def _death(self, index: int) -> WorkerError:
+        process = self.processes[index]
+        process.join(timeout=5)
+        code = process.exitcode
+        if code is not None and code < 0:
+            how = f"killed by signal {signal.Signals(-code).name}"
+        else:
+            how = f"exit code {code}"
+        return WorkerError(f"worker {index} (pid {process.pid}) died unexpectedly ({how})")
+
+    def close(self) -> None:
+        """Stop every worker; those that do not stop in time are terminated, then killed."""
+        for connection in self.connections:
+            try:
+                connection.send_bytes(b"close")
+            except (OSError, ValueError):
+                pass
+        for process in self.processes:
+            process.join(timeout=3)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=3)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for connection in self.connections:
+            connection.close()
+        self.processes, self.connections = [], []
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+# ## Part 3: Running it for real
+#
+# What turns the algorithm into a program a researcher runs for days: the command line and its
+# checks, the choices that make it fast on the machine at hand, checkpoints, logs and a progress
+# line, clean stops on Ctrl-C, evaluation with videos, and `main`.
+
+
+# ### The command line
+#
+# Every flag is a field of `Config`, with its documentation as the help text. A mistake in what
+# the user asked for is one line on stderr and exit status 2, before any process starts.
+
+
+class ConfigError(Exception):
+    """A mistake in what the user asked for: reported in one line, exit status 2."""
+
 
 # The settings of one invocation rather than of the agent: a resumed run takes its hyperparameters
 # from the checkpoint, but these from the command line (or their defaults).
 RUN_OPTIONS = {"num_workers", "device", "precision", "start_method", "run_dir", "resume", "eval",
                "eval_episodes", "capture_video", "checkpoint_every"}
-
-
-class ConfigError(Exception):
-    """A mistake in what the user asked for: reported in one line, exit status 2."""
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -263,16 +1121,6 @@ def check_config(config: Config) -> None:
         raise ConfigError("--capture-video records evaluation games; use it with --eval CHECKPOINT")
 
 
-# ## The game
-#
-# The emulator shows 210 x 160 colour frames at 60 per second and knows nothing of learning. The
-# `Game` class turns it into what the DQN paper (Mnih et al., 2015) fed its network, the protocol
-# PPO, CleanRL and rl-zoo all report on: the agent picks an action every 4th frame, sees a stack of
-# the last 4 of its observations, grey and shrunk to 84 x 84, and learns from rewards clipped to
-# their sign. Our wrapper does the frame skipping itself and asks the ALE to step one frame at a
-# time, with no sticky actions unless `--sticky-actions` sets them and the minimal action set.
-
-
 def resolve_env_id(name: str) -> str:
     """The gymnasium id of an Atari game named `name`, or a `ConfigError` suggesting close names."""
     gym.register_envs(ale_py)
@@ -290,590 +1138,36 @@ def resolve_env_id(name: str) -> str:
     raise ConfigError(f"unknown Atari game {name!r}{hint}")
 
 
-def game_name(env_id: str) -> str:
-    """The ROM behind an id: `ALE/Breakout-v5` and `BreakoutNoFrameskip-v4` are both `breakout`."""
-    return gym.spec(env_id).kwargs["game"]
+def parse_config(argv: list[str] | None) -> tuple[Config, dict | None]:
+    """The configuration of this invocation and the checkpoint it names, if any.
 
-
-def game_seeds(seed: int, count: int) -> np.ndarray:
-    """`count` distinct, independent seeds for the games of a run seeded with `seed`."""
-    return np.random.SeedSequence(seed).generate_state(count)
-
-
-class Transition(NamedTuple):
-    """What one agent step of a `Game` reports besides the new observation."""
-
-    reward: float
-    """The reward for learning: the sign of the points scored in the step."""
-    terminated: bool
-    """The learning episode ended with no future: game over, or a life lost when life loss is on."""
-    truncated: bool
-    """The game was cut at the frame cap: its future exists but we stop watching; bootstrap it."""
-    game_over: bool
-    """The whole game ended (by either cause): it must be reset before the next step."""
-    score: float
-    """The game's real, unclipped score so far."""
-    length: int
-    """Agent steps taken in this game so far."""
-
-
-class Game:
-    r"""One Atari game as the learner sees it.
-
-    The pieces, each a known trick (Mnih et al., 2015; Machado et al., 2018; Huang et al., 2022):
-
-    * **No-op starts.** A deterministic emulator starts every game the same way, so after a reset a
-      random number (1 to `noop_max`) of frames pass with no action, and games differ from the start.
-    * **FIRE to start.** Games whose second action is FIRE (Breakout, Pong, ...) wait for it before
-      play begins, after a reset and after each lost life. Pressing it for the agent saves it
-      thousands of wasted steps learning to serve.
-    * **Frame skip and max-pool.** Each action is repeated for `frame_skip` frames and the rewards
-      summed. The observation is the pixel-wise maximum of the last two frames, because the Atari
-      draws some sprites only on every other frame and one frame alone can miss them.
-    * **Grey, small, stacked.** The pooled frame is converted to luminance (the ALE's own palette
-      conversion), shrunk to 84 x 84 with area averaging, and stacked with the three before it, so
-      the network can see motion. Frames stay `uint8`, channels first; the newest is last.
-    * **Reward clipping.** Learning sees $\mathrm{sign}(r)$, so one learning rate fits games whose
-      points come in ones and games whose points come in thousands. The real score is kept apart and
-      is what we report.
-    * **Life loss.** Losing a life ends the episode *for learning*: the advantage stops there, which
-      teaches the agent that a life is worth keeping. The game is not reset; it goes on with the
-      next life, and the score runs on.
-    * **Two ends.** Game over is a *termination*: there is no future to value. The frame cap is a
-      *truncation*: the game could go on, we just stopped it, and the value of where it was cut is
-      real. The two are reported apart so the advantage computation can treat them apart.
-
-    `obs` is the current stack of frames, updated in place; copy it to keep it. A worker passes a
-    view of shared memory as `obs`, so the frames land where the main process reads them.
+    A resumed or evaluated run starts from the checkpoint's hyperparameters; flags given on the
+    command line override them (to extend `--total-timesteps`, say).
     """
-
-    def __init__(self, env_id: str, seed: int, *, sticky_actions: float = 0.0, life_loss: bool = True,
-                 noop_max: int = 30, frame_skip: int = 4, max_episode_frames: int = 108_000,
-                 obs: np.ndarray | None = None):
-        gym.register_envs(ale_py)
-        ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner from every emulator
-        # The ALE steps one frame at a time (`frameskip=1`) and cuts the game at the frame cap, which
-        # it then reports through `game_truncated()` rather than as a game over.
-        env = gym.make(env_id, frameskip=1, repeat_action_probability=sticky_actions,
-                       full_action_space=False, max_num_frames_per_episode=max_episode_frames)
-        self.env = env.unwrapped
-        self.env.reset(seed=int(seed))
-        self.ale = self.env.ale
-        self.actions = self.ale.getMinimalActionSet()
-        self.n_actions = len(self.actions)
-        meanings = self.env.get_action_meanings()
-        self.fire = self.actions[1] if len(meanings) >= 3 and meanings[1] == "FIRE" else None
-        self.life_loss = life_loss
-        self.noop_max = noop_max
-        self.frame_skip = frame_skip
-        self.rng = np.random.default_rng(int(seed))
-        height, width = self.ale.getScreenDims()
-        self.screens = np.zeros((2, height, width), np.uint8)
-        self.pooled = np.zeros((height, width), np.uint8)
-        self.obs = np.zeros((4, 84, 84), np.uint8) if obs is None else obs
-        self.score = 0.0
-        self.length = 0
-        self.lives = 0
-
-    def reset(self) -> np.ndarray:
-        """Start a new game: no-ops, FIRE if the game needs it, and a stack of the first frame."""
-        self.ale.reset_game()
-        for _ in range(self.rng.integers(1, self.noop_max + 1) if self.noop_max > 0 else 0):
-            self.ale.act(ale_py.Action.NOOP)
-            if self.ale.game_over():
-                self.ale.reset_game()
-        self.score = 0.0
-        self.length = 0
-        if self.fire is not None:
-            self.score += self._play(self.fire)
-            if self.ale.game_over():
-                return self.reset()
-        else:
-            self.ale.getScreenGrayscale(self.screens[0])
-            self.screens[1] = self.screens[0]
-        self.lives = self.ale.lives()
-        self._observe(new_game=True)
-        return self.obs
-
-    def step(self, action: int) -> Transition:
-        """Play `action` (an index into the minimal action set) for `frame_skip` frames."""
-        points = self._play(self.actions[action])
-        self.score += points
-        self.length += 1
-        lives = self.ale.lives()
-        life_lost = lives < self.lives and not self.ale.game_over()
-        self.lives = lives
-        # After a lost life, serve again for the agent. The frames of the serve belong to the next
-        # life, so its points (none, in the games we know) count for the score but not as a reward.
-        if life_lost and self.fire is not None:
-            self.score += self._play(self.fire)
-        game_over = self.ale.game_over(with_truncation=False)
-        truncated = self.ale.game_truncated()
-        self._observe(new_game=False)
-        return Transition(reward=float((points > 0) - (points < 0)),
-                          terminated=game_over or (self.life_loss and life_lost),
-                          truncated=truncated,
-                          game_over=game_over or truncated,
-                          score=self.score, length=self.length)
-
-    def render(self) -> np.ndarray:
-        """The current frame in colour, 210 x 160 x 3 RGB, for videos."""
-        return self.ale.getScreenRGB()
-
-    def _play(self, action: ale_py.Action) -> float:
-        """Repeat `action` for `frame_skip` frames; leave the last two frames in `screens`."""
-        points = 0.0
-        for frame in range(self.frame_skip):
-            points += self.ale.act(action)
-            if frame >= self.frame_skip - 2:
-                self.ale.getScreenGrayscale(self.screens[frame - self.frame_skip + 2])
-            if self.ale.game_over():
-                # The game ended before the last frame: the screens not yet grabbed would be stale,
-                # so the final frame stands in for them.
-                if frame < self.frame_skip - 1:
-                    self.ale.getScreenGrayscale(self.screens[1])
-                if frame < self.frame_skip - 2:
-                    self.screens[0] = self.screens[1]
-                break
-        return points
-
-    def _observe(self, new_game: bool) -> None:
-        """Pool the last two screens, shrink the result into the newest slot of the stack."""
-        np.maximum(self.screens[0], self.screens[1], out=self.pooled)
-        if not new_game:
-            self.obs[:-1] = self.obs[1:]
-        cv2.resize(self.pooled, (84, 84), dst=self.obs[-1], interpolation=cv2.INTER_AREA)
-        if new_game:
-            self.obs[:-1] = self.obs[-1]  # a new game has no past: its first frame fills the stack
+    given = vars(build_parser().parse_args(argv))
+    checkpoint = None
+    base = {}
+    path = given.get("resume") or given.get("eval")
+    if path is not None and not (given.get("resume") and given.get("eval")):
+        checkpoint = load_checkpoint(path)
+        fields = {f.name for f in dataclasses.fields(Config)}
+        base = {k: v for k, v in checkpoint["config"].items() if k in fields and k not in RUN_OPTIONS}
+    config = Config(**{**base, **given})
+    check_config(config)
+    if config.resume is not None:
+        saved = checkpoint["config"]
+        if saved["num_envs"] * saved["num_steps"] != config.batch_size:
+            raise ConfigError(f"a resumed run keeps its batch of {saved['num_envs'] * saved['num_steps']} "
+                              f"transitions (--num-envs x --num-steps)")
+    return config, checkpoint
 
 
-# ## The workers
+# ### Hardware choices
 #
-# One emulator plays about 2,500 agent steps a second on one core, and the network wants a batch
-# from many games at every step. `Workers` runs the games in other processes, several per process,
-# and drives them over `Pipe`s as in labml's original design. Three choices make it fast and safe:
-#
-# * **Everything travels through shared memory.** Each worker writes its games' observations,
-#   rewards and episode ends straight into arrays the main process reads; the pipe carries only a
-#   one-word command and a one-word answer. A batch of 8 frame stacks is 225 kB; pickling it at every
-#   step would cost more than the step itself.
-# * **Same-step auto-reset.** When a game ends, the worker resets it at once and the observation
-#   it writes is the first of the next game, so every step returns a usable observation for every
-#   game. The last observation of a truncated game is written apart (`final_obs`), since its value
-#   is needed to bootstrap.
-# * **Failures are loud.** An exception in a worker is sent back with its traceback and raised in
-#   the main process as a `WorkerError`; a worker that dies (killed by the kernel, say) closes its
-#   pipe, which the main process notices at once instead of waiting forever. Workers ignore Ctrl-C,
-#   which is the main process's to handle, and exit by themselves if the main process dies.
-
-
-class WorkerError(RuntimeError):
-    """A worker process failed: the message carries its traceback, or how it died."""
-
-
-class VecStep(NamedTuple):
-    """One step of all games at once. Arrays are views of shared memory, valid until the next step."""
-
-    obs: np.ndarray
-    """`[num_envs, 4, 84, 84]` uint8: the observation after the step (the first of a new game where one ended)."""
-    rewards: np.ndarray
-    """`[num_envs]` float32: clipped rewards."""
-    terminated: np.ndarray
-    """`[num_envs]` bool."""
-    truncated: np.ndarray
-    """`[num_envs]` bool."""
-    final_obs: np.ndarray
-    """`[num_envs, 4, 84, 84]` uint8: the last observation of each game that was truncated in this step."""
-    finished_games: list[tuple[int, float, int]]
-    """`(env index, score, length)` of each whole game that ended in this step."""
-
-
-def shared_arrays(context, num_envs: int) -> dict[str, tuple]:
-    """The blocks of shared memory behind `VecStep`, one row per game, as `(block, shape, dtype)`.
-
-    The blocks are passed to each worker when it starts (this works under `fork` and `spawn`
-    alike), and each side makes its own numpy views of them with `numpy_views`.
-    """
-    frames = (num_envs, 4, 84, 84)
-    layout = {"obs": (frames, np.uint8), "final_obs": (frames, np.uint8), "actions": ((num_envs,), np.int64),
-              "rewards": ((num_envs,), np.float32), "terminated": ((num_envs,), np.bool_),
-              "truncated": ((num_envs,), np.bool_), "game_over": ((num_envs,), np.bool_),
-              "score": ((num_envs,), np.float64), "length": ((num_envs,), np.int64)}
-    return {name: (context.RawArray(ctypes.c_uint8, math.prod(shape) * np.dtype(dtype).itemsize), shape, dtype)
-            for name, (shape, dtype) in layout.items()}
-
-
-def numpy_views(blocks: dict[str, tuple]) -> dict[str, np.ndarray]:
-    return {name: np.frombuffer(block, dtype=dtype, count=math.prod(shape)).reshape(shape)
-            for name, (block, shape, dtype) in blocks.items()}
-
-
-def run_worker(connection: Connection, env_id: str, seeds: np.ndarray, first_env: int, blocks: dict[str, tuple],
-               game_options: dict) -> None:
-    """The loop of one worker process: it plays games `first_env, first_env + 1, ...`.
-
-    It answers each command from the main process (`reset`, `step`, `close`) with `ok` once the
-    arrays of its games are written, or with `error` and its traceback.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    cv2.setNumThreads(1)
-    parent = mp.parent_process()
-    try:
-        rows = slice(first_env, first_env + len(seeds))
-        arrays = {name: array[rows] for name, array in numpy_views(blocks).items()}
-        games = [Game(env_id, seed, obs=arrays["obs"][i], **game_options) for i, seed in enumerate(seeds)]
-        connection.send_bytes(b"ok %d" % games[0].n_actions)
-        while True:
-            ready = wait_for_any([connection] + ([parent.sentinel] if parent is not None else []))
-            if connection not in ready:
-                return  # the main process is gone: leave no orphan behind
-            command = connection.recv_bytes()
-            if command == b"close":
-                return
-            for i, game in enumerate(games):
-                if command == b"reset":
-                    game.reset()
-                    continue
-                step = game.step(int(arrays["actions"][i]))
-                arrays["rewards"][i] = step.reward
-                arrays["terminated"][i] = step.terminated
-                arrays["truncated"][i] = step.truncated
-                arrays["game_over"][i] = step.game_over
-                if step.game_over:
-                    arrays["score"][i], arrays["length"][i] = step.score, step.length
-                    if step.truncated:
-                        arrays["final_obs"][i] = game.obs
-                    game.reset()
-            connection.send_bytes(b"ok")
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        return
-    except BaseException:
-        try:
-            connection.send_bytes(b"error " + traceback.format_exc().encode())
-        except (OSError, ValueError):
-            pass
-
-
-class Workers:
-    """`num_envs` games played by `num_workers` processes; the vector environment of the trainer.
-
-    `reset()` starts every game and returns the observations; `step(actions)` plays one step of
-    every game and returns a `VecStep`. Use it as a context manager, or call `close()`.
-    """
-
-    def __init__(self, env_id: str, num_envs: int, num_workers: int, seed: int, game_options: dict,
-                 start_method: str | None = None, first_game: int = 0):
-        context = mp.get_context(start_method)
-        self.num_envs = num_envs
-        blocks = shared_arrays(context, num_envs)
-        self.arrays = numpy_views(blocks)
-        self.processes: list[mp.process.BaseProcess] = []
-        self.connections: list[Connection] = []
-        # Games `first_game, first_game + 1, ...` of the run: each rank of a distributed run plays its own.
-        seeds = game_seeds(seed, first_game + num_envs)[first_game:]
-        # Started with Ctrl-C ignored, so a Ctrl-C while they start (before they can ignore it
-        # themselves) cannot reach them; the setting survives both fork and exec.
-        in_main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
-        try:
-            for index, envs in enumerate(np.array_split(np.arange(num_envs), num_workers)):
-                ours, theirs = context.Pipe()
-                process = context.Process(target=run_worker, name=f"ppo_atari-worker-{index}", daemon=True,
-                                          args=(theirs, env_id, seeds[envs], int(envs[0]), blocks, game_options))
-                process.start()
-                theirs.close()
-                self.processes.append(process)
-                self.connections.append(ours)
-        finally:
-            if in_main_thread:
-                signal.signal(signal.SIGINT, previous)
-        try:
-            self.n_actions = int(self._receive()[0])
-        except BaseException:
-            self.close()
-            raise
-
-    def reset(self) -> np.ndarray:
-        self._send(b"reset")
-        self._receive()
-        return self.arrays["obs"]
-
-    def step(self, actions: np.ndarray) -> VecStep:
-        a = self.arrays
-        a["actions"][:] = actions
-        self._send(b"step")
-        self._receive()
-        finished = [(int(env), float(a["score"][env]), int(a["length"][env])) for env in np.flatnonzero(a["game_over"])]
-        return VecStep(a["obs"], a["rewards"], a["terminated"], a["truncated"], a["final_obs"], finished)
-
-    def _send(self, command: bytes) -> None:
-        for index, connection in enumerate(self.connections):
-            try:
-                connection.send_bytes(command)
-            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
-                raise self._death(index) from None
-
-    def _receive(self) -> list[bytes]:
-        """Wait for every worker's answer; what follows `ok` in each."""
-        answers = []
-        for index, connection in enumerate(self.connections):
-            try:
-                answer = connection.recv_bytes()
-            except (EOFError, ConnectionResetError, OSError):
-                raise self._death(index) from None
-            if answer.startswith(b"error"):
-                raise WorkerError(f"worker {index} failed; its traceback:\n{answer[6:].decode().rstrip()}")
-            answers.append(answer[3:])
-        return answers
-
-    def _death(self, index: int) -> WorkerError:
-        process = self.processes[index]
-        process.join(timeout=5)
-        code = process.exitcode
-        if code is not None and code < 0:
-            how = f"killed by signal {signal.Signals(-code).name}"
-        else:
-            how = f"exit code {code}"
-        return WorkerError(f"worker {index} (pid {process.pid}) died unexpectedly ({how})")
-
-    def close(self) -> None:
-        """Stop every worker; those that do not stop in time are terminated, then killed."""
-        for connection in self.connections:
-            try:
-                connection.send_bytes(b"close")
-            except (OSError, ValueError):
-                pass
-        for process in self.processes:
-            process.join(timeout=3)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=3)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        for connection in self.connections:
-            connection.close()
-        self.processes, self.connections = [], []
-
-    def __enter__(self) -> Workers:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-
-# ## The model
-#
-# The network of the DQN paper ("Nature CNN"): three convolutions and a 512-unit layer, shared by
-# two linear heads, one for the logits of the policy $\pi_\theta(a|s)$ and one for the value
-# $V_\theta(s)$. Sharing the torso halves the compute; the price is that the value loss and the
-# policy loss pull on the same features, which `vf_coef` balances.
-
-
-def layer_init(layer: nn.Module, gain: float = math.sqrt(2)) -> nn.Module:
-    r"""Orthogonal weights scaled by `gain`, zero biases.
-
-    Orthogonal matrices keep the norm of what passes through them, so activations neither explode
-    nor vanish with depth; $\sqrt 2$ makes up for the half of each ReLU's input that is cut to 0.
-    The policy head starts at gain 0.01, so the first policy is almost uniform and every action is
-    tried; the value head starts at gain 1.
-    """
-    nn.init.orthogonal_(layer.weight, gain)
-    nn.init.zeros_(layer.bias)
-    return layer
-
-
-class ActorCritic(nn.Module):
-    """The Nature CNN torso with a policy head and a value head.
-
-    Frames arrive as `uint8` (four times fewer bytes to move than float32) and are scaled to [0, 1]
-    on the device. The network runs in `channels_last` layout, which the convolution libraries of
-    both CPUs (oneDNN) and GPUs (cuDNN) prefer; frames are fastest when they are stored that way
-    already. With `bf16` the torso runs in bfloat16 autocast while the heads stay in float32, so the
-    log-probabilities that PPO compares are computed in full precision.
-    """
-
-    def __init__(self, n_actions: int, bf16: bool = False):
-        super().__init__()
-        self.bf16 = bf16
-        self.torso = nn.Sequential(
-            layer_init(nn.Conv2d(4, 32, kernel_size=8, stride=4)), nn.ReLU(inplace=True),   # 84 x 84 -> 20 x 20
-            layer_init(nn.Conv2d(32, 64, kernel_size=4, stride=2)), nn.ReLU(inplace=True),  # -> 9 x 9
-            layer_init(nn.Conv2d(64, 64, kernel_size=3, stride=1)), nn.ReLU(inplace=True),  # -> 7 x 7
-            nn.Flatten(),
-            layer_init(nn.Linear(64 * 7 * 7, 512)), nn.ReLU(inplace=True),
-        )
-        self.policy = layer_init(nn.Linear(512, n_actions), gain=0.01)
-        self.value = layer_init(nn.Linear(512, 1), gain=1.0)
-        self.to(memory_format=torch.channels_last)
-
-    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits `[batch, n_actions]` and values `[batch]` for `uint8` frames `[batch, 4, 84, 84]`."""
-        # One pass from bytes to the torso's own precision; `to` keeps the memory layout.
-        x = obs.to(torch.bfloat16 if self.bf16 else torch.float32).mul_(1.0 / 255.0)
-        x = x.contiguous(memory_format=torch.channels_last)
-        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            hidden = self.torso(x)
-        hidden = hidden.float()
-        return self.policy(hidden), self.value(hidden).squeeze(-1)
-
-
-# ## Generalized advantage estimation
-#
-# The policy gradient needs to know how much better an action was than the policy's average at
-# that state: the advantage $A_t$. GAE (Schulman et al., 2016) blends estimates of it from one step
-# to the whole rollout.
-
-
-def compute_gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor,
-                terminated: torch.Tensor, truncated: torch.Tensor, gamma: float,
-                gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Advantages and returns for a rollout; every argument is `[num_steps, num_envs]`.
-
-    With the TD error of step $t$
-
-    $$\delta_t = r_t + \gamma (1 - \mathrm{terminated}_t) V(s_{t+1}) - V(s_t),$$
-
-    the advantage is the exponentially weighted sum of the TD errors that follow, cut where the
-    episode ends:
-
-    $$\hat A_t = \delta_t + \gamma \lambda (1 - \mathrm{done}_t) \hat A_{t+1},$$
-
-    where $\mathrm{done}_t = \mathrm{terminated}_t \lor \mathrm{truncated}_t$.
-
-    The returns that the value function regresses to are $\hat A_t + V(s_t)$, an estimate of the
-    $\lambda$-return.
-
-    `next_values[t]` is $V(s_{t+1})$, the value of the observation that step $t$ led to. Where the
-    game went on, that is simply `values[t + 1]` (or the value of the observation after the rollout).
-    Where step $t$ ended a game, the observation the workers returned is already the first of the
-    next game, so the caller supplies the value of the game's *final* observation instead.
-
-    **Why termination and truncation stay apart.** A termination (game over, a lost life) means
-    there is no future: the value after it is 0 and is not bootstrapped. A truncation (the frame cap)
-    means only that we stopped watching: the game would have gone on scoring, so $\delta_t$
-    bootstraps from $V$ of the final observation, while the sum over later TD errors is still cut,
-    since those belong to the next game. Folding the two into one `done` flag, as most reference
-    implementations do, teaches the value function that the world ends at the frame cap, a fact the
-    agent cannot see in its observation; Pardo et al. (2018) show the bias this causes. On Atari the
-    cap is rarely reached, but the code is forked into tasks where time limits are everywhere.
-    """
-    num_steps = rewards.shape[0]
-    advantages = torch.zeros_like(rewards)
-    not_terminated = 1.0 - terminated.float()
-    not_done = 1.0 - torch.maximum(terminated.float(), truncated.float())
-    deltas = rewards + gamma * not_terminated * next_values - values
-    advantage = torch.zeros_like(rewards[0])
-    for t in reversed(range(num_steps)):
-        advantage = deltas[t] + gamma * gae_lambda * not_done[t] * advantage
-        advantages[t] = advantage
-    return advantages, advantages + values
-
-
-# ## The clipped objective
-#
-# A policy gradient step is only accurate near the policy that collected the data. PPO takes many
-# minibatch steps on one batch, and keeps the new policy near the old one by taking away any gain
-# from moving the probability ratio $r_t(\theta) = \pi_\theta(a_t|s_t) / \pi_{\theta_\text{old}}(a_t|s_t)$
-# outside $[1 - \epsilon, 1 + \epsilon]$.
-
-
-class LossTerms(NamedTuple):
-    """What `ppo_loss` returns: the loss to minimise, then its three terms and two diagnostics for
-    the logs, each a scalar tensor."""
-
-    loss: torch.Tensor
-    policy_loss: torch.Tensor
-    value_loss: torch.Tensor
-    entropy: torch.Tensor
-    approx_kl: torch.Tensor
-    clipfrac: torch.Tensor
-
-
-def ppo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-             values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, entropy: torch.Tensor,
-             clip_range: float, vf_coef: float, ent_coef: float) -> LossTerms:
-    r"""PPO's loss on a minibatch (advantages already normalised), to be minimised.
-
-    The policy term is the negated clipped surrogate of Schulman et al. (2017, eq. 7):
-
-    $$L^\text{CLIP} = -\mathbb{E}_t\left[\min\left(r_t \hat A_t,\;
-      \mathrm{clip}(r_t, 1 - \epsilon, 1 + \epsilon)\, \hat A_t\right)\right].$$
-
-    The minimum makes it a pessimistic bound: when the ratio has already moved past the clip in
-    the direction the advantage favours, the clipped term is the smaller, it is constant in
-    $\theta$, and its gradient is zero. When the ratio moved the wrong way, the unclipped term is
-    the smaller and the gradient pulls it back, however far it went.
-
-    The value term clips the same way around the old prediction, as the reference implementation
-    of the paper does (OpenAI baselines), and takes the larger error:
-
-    $$L^V = \tfrac12 \mathbb{E}_t \max\left((V - R)^2,\;
-      (V_\text{old} + \mathrm{clip}(V - V_\text{old}, -\epsilon, \epsilon) - R)^2\right).$$
-
-    The entropy bonus $S$ keeps the policy from collapsing early. In all,
-    $L = L^\text{CLIP} + c_V L^V - c_S S$.
-
-    `approx_kl` estimates $\mathrm{KL}(\pi_\text{old} \,\|\, \pi_\theta)$ with
-    $\mathbb{E}[(r - 1) - \log r]$, unbiased and never negative (Schulman, "Approximating KL
-    divergence", 2020); `clipfrac` is the share of samples whose ratio is outside the clip.
-    """
-    log_ratio = log_probs - old_log_probs
-    ratio = log_ratio.exp()
-    # Clip the ratio so one update cannot move the policy far: $\mathrm{clip}(r_t, 1-\epsilon, 1+\epsilon)$.
-    clipped_ratio = ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
-    policy_loss = torch.max(-advantages * ratio, -advantages * clipped_ratio).mean()
-
-    clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
-    value_loss = 0.5 * torch.max((values - returns) ** 2, (clipped_values - returns) ** 2).mean()
-
-    entropy = entropy.mean()
-    loss = policy_loss + vf_coef * value_loss - ent_coef * entropy
-    with torch.no_grad():
-        approx_kl = ((ratio - 1.0) - log_ratio).mean()
-        clipfrac = ((ratio - 1.0).abs() > clip_range).float().mean()
-    return LossTerms(loss, policy_loss, value_loss, entropy, approx_kl, clipfrac)
-
-
-def linear_schedule(initial: float, update: int, num_updates: int) -> float:
-    """`initial` annealed linearly: the full value at update 0, `initial / num_updates` at the last."""
-    return initial * (1.0 - update / num_updates)
-
-
-def explained_variance(predictions: torch.Tensor, targets: torch.Tensor) -> float:
-    r"""$1 - \mathrm{Var}[y - \hat y] / \mathrm{Var}[y]$: 1 for a perfect value function, 0 for a constant one."""
-    variance = targets.var()
-    return float("nan") if variance == 0 else float(1.0 - (targets - predictions).var() / variance)
-
-
-# ## The trainer
-#
-# Each update has two phases. **Sampling**: every game plays `num_steps` steps with the current
-# policy while we store observations, actions, their log-probabilities under the policy that chose
-# them, the values, rewards and episode ends. **Updating**: GAE turns the rollout into advantages
-# and returns, then `update_epochs` passes over the batch in shuffled minibatches minimise
-# `ppo_loss`. The rollout lives on the device, so the update never waits for a copy.
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or gradient became NaN or infinite."""
-
-
-class Rollout(NamedTuple):
-    r"""One rollout as `update_policy` reads it: tensors on the device, indexed `[step, game]`.
-
-    `log_probs` and `values` are those of the policy that chose the actions, which the update
-    compares against; `next_values[t]` is $V(s_{t+1})$ as `compute_gae` defines it.
-    """
-
-    obs: torch.Tensor             # [num_steps, num_envs, 4, 84, 84] uint8
-    actions: torch.Tensor         # [num_steps, num_envs]
-    log_probs: torch.Tensor
-    values: torch.Tensor
-    next_values: torch.Tensor
-    rewards: torch.Tensor
-    terminated: torch.Tensor
-    truncated: torch.Tensor
+# The only choices in this script that depend on the machine rather than on the algorithm, made
+# here and applied by extending Part 1's classes: where the network runs, the memory layout of the
+# frames, the arithmetic of the torso, how frames reach a GPU, and on how many threads the network
+# samples. None of them changes what is computed beyond the rounding of floating point.
 
 
 def choose_device(requested: str, local_rank: int = 0) -> torch.device:
@@ -907,202 +1201,118 @@ def use_bf16(precision: str, device: torch.device) -> bool:
     return precision == "bf16"
 
 
-class Trainer:
-    """PPO: the model, the optimizer, the rollout storage and the update, for any vector env.
+class TunedActorCritic(ActorCritic):
+    """Part 1's network, made of the same layers, run the way this machine runs it fastest.
 
-    `envs` needs `num_envs`, `n_actions`, `reset() -> obs` and `step(actions) -> VecStep`: the
-    `Workers` above, or a small synthetic task in the tests.
+    Its parameters and the frames it reads are in `channels_last` layout, which the convolution
+    libraries of both CPUs (oneDNN) and GPUs (cuDNN) prefer. With `bf16` the torso runs in bfloat16
+    autocast while the heads stay in float32, so the log-probabilities that PPO compares are
+    computed in full precision.
     """
 
-    def __init__(self, config: Config, envs, device: torch.device, bf16: bool = False, ranks: Ranks | None = None):
-        self.config = config
-        self.envs = envs
-        self.device = device
-        # One process, unless torchrun started several (see "Past one device" below).
-        self.ranks = ranks or Ranks()
-        self.num_updates = config.total_timesteps // (config.batch_size * self.ranks.size)
-        self.model = ActorCritic(envs.n_actions, bf16=bf16).to(device)
-        self.ranks.broadcast_parameters(self.model)
-        # Adam with eps 1e-5 rather than its default 1e-8, as in the PPO reference implementation;
-        # the fused kernel updates all parameters in one pass instead of a dozen small ops each.
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate, eps=1e-5, fused=True)
-        self.update = 0
-        self.global_step = 0
-        shape = (config.num_steps, envs.num_envs)
-        frames = (4, 84, 84)
-        # Frames are stored channels-last, the layout the network reads, so minibatches need no
-        # transposition. `obs` is a [steps, envs, ...] view of the flat [steps * envs, ...] storage.
-        self.flat_obs = torch.zeros((config.batch_size,) + frames, dtype=torch.uint8, device=device)
-        self.flat_obs = self.flat_obs.contiguous(memory_format=torch.channels_last)
-        self.obs = self.flat_obs.view(shape + frames)
-        self.minibatch_obs = torch.zeros((config.minibatch_size,) + frames, dtype=torch.uint8, device=device)
-        self.minibatch_obs = self.minibatch_obs.contiguous(memory_format=torch.channels_last)
-        self.actions = torch.zeros(shape, dtype=torch.long, device=device)
-        self.log_probs, self.values, self.next_values, self.rewards, self.terminated, self.truncated = (
-            torch.zeros(shape, device=device) for _ in range(6))
-        # Frames go to a GPU through pinned (page-locked) memory, which the GPU's copy engine reads
-        # by itself, so the copy runs asynchronously.
+    def __init__(self, model: ActorCritic, bf16: bool):
+        super().__init__(model.torso, model.policy, model.value)
+        self.bf16 = bf16
+        self.to(memory_format=torch.channels_last)
+
+    def features(self, obs: torch.Tensor) -> torch.Tensor:
+        # One pass from bytes to the torso's own precision; `to` keeps the memory layout.
+        x = obs.to(torch.bfloat16 if self.bf16 else torch.float32).mul_(1.0 / 255.0)
+        x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            hidden = self.torso(x)
+        return hidden.float()
+
+
+class TunedTrainer(Trainer):
+    """Part 1's `Trainer` with this machine's choices; the algorithm is untouched.
+
+    * The network is a `TunedActorCritic`, in the precision that `config.precision` asks for.
+    * Frames are stored channels-last, the layout the network reads, so minibatches need no
+      transposition: a `[steps, envs, ...]` store is a view of a flat `[steps * envs, ...]` one, and
+      a minibatch gathered from it keeps the layout.
+    * On CUDA, frames go to the GPU through pinned (page-locked) memory, which the GPU's copy engine
+      reads by itself, so the copy runs asynchronously; cuDNN and cuBLAS may use TF32.
+    * On a CPU, the network samples on one thread (see `collect_rollout`).
+    """
+
+    def __init__(self, config: Config, envs, device: torch.device):
         if device.type == "cuda":
-            self.staging = torch.zeros((envs.num_envs,) + frames, dtype=torch.uint8, pin_memory=True)
-        self.next_obs = torch.zeros((envs.num_envs,) + frames, dtype=torch.uint8, device=device)
-        self.needs_reset = True
-        self.finished_games: list[tuple[int, float, int]] = []
-        self.timings = {"env": 0.0, "inference": 0.0, "update": 0.0}
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+            torch.backends.cudnn.benchmark = True
+            self.staging = torch.zeros((envs.num_envs,) + tuple(envs.observation_shape), dtype=torch.uint8,
+                                       pin_memory=True)
+        super().__init__(config, envs, device)
 
-    def _load_next_obs(self, frames: np.ndarray) -> None:
-        frames = torch.from_numpy(frames)
-        if self.device.type == "cuda":
-            frames = self.staging.copy_(frames)
-        self.next_obs.copy_(frames, non_blocking=True)
+    def build_model(self) -> nn.Module:
+        return TunedActorCritic(super().build_model(), use_bf16(self.config.precision, self.device))
 
-    def collect_rollout(self, stop_requested=lambda: False) -> Rollout | None:
-        """Play `num_steps` steps in every game; `None` if `stop_requested()` turned true meanwhile.
+    def frame_storage(self, leading: tuple[int, ...]) -> torch.Tensor:
+        flat = super().frame_storage((math.prod(leading),)).contiguous(memory_format=torch.channels_last)
+        return flat.view(leading + flat.shape[1:])
 
-        On a CPU the network runs on one thread while sampling. A batch of 8 frames gains little
-        from more, and the threads of a parallel section keep spinning for a while after it ends,
-        on the very cores the workers need to step their games (measured: 25% slower sampling).
+    def observe(self, frames: np.ndarray) -> None:
+        if self.device.type != "cuda":
+            return super().observe(frames)
+        self.next_obs.copy_(self.staging.copy_(torch.from_numpy(frames)), non_blocking=True)
+
+    def collect_rollout(self) -> Rollout:
+        """Part 1's sampling; on a CPU, with the network on one thread.
+
+        A batch of 8 frames gains little from more, and the threads of a parallel section keep
+        spinning for a while after it ends, on the very cores the workers need to step their games
+        (measured: 25% slower sampling). The update keeps every thread.
         """
+        if self.device.type != "cpu":
+            return super().collect_rollout()
         threads = torch.get_num_threads()
-        if self.device.type == "cpu":
-            torch.set_num_threads(1)
+        torch.set_num_threads(1)
         try:
-            with torch.inference_mode():
-                return self._collect_rollout(stop_requested)
+            return super().collect_rollout()
         finally:
             torch.set_num_threads(threads)
 
-    def _collect_rollout(self, stop_requested) -> Rollout | None:
-        if self.needs_reset:
-            self._load_next_obs(self.envs.reset())
-            self.needs_reset = False
-        self.finished_games = []
-        truncations = []
-        for t in range(self.config.num_steps):
-            if stop_requested():
-                return None
-            # Step $t$: store $s_t$, sample $a_t \sim \pi_\theta(\cdot|s_t)$, and keep
-            # $\log \pi_\theta(a_t|s_t)$ and $V(s_t)$, the old policy's numbers that the update
-            # compares against. A game that ended was reset by its worker, so the frames that come
-            # back start the next game; a truncated game's last frames come apart, to be valued below.
-            started = time.perf_counter()
-            self.obs[t] = self.next_obs
-            logits, values = self.model(self.obs[t])
-            policy = Categorical(logits=logits, validate_args=False)
-            actions = policy.sample()
-            self.actions[t], self.log_probs[t], self.values[t] = actions, policy.log_prob(actions), values
-            actions = actions.cpu().numpy()
-            stepped = time.perf_counter()
-            self.timings["inference"] += stepped - started
-            step = self.envs.step(actions)
-            self.timings["env"] += time.perf_counter() - stepped
-            self.rewards[t] = torch.from_numpy(step.rewards).to(self.device)
-            self.terminated[t] = torch.from_numpy(step.terminated).to(self.device)
-            self.truncated[t] = torch.from_numpy(step.truncated).to(self.device)
-            for env in np.flatnonzero(step.truncated):
-                truncations.append((t, int(env), torch.from_numpy(step.final_obs[env].copy())))
-            self.finished_games += step.finished_games
-            self._load_next_obs(step.obs)
-        # Counted only for a whole rollout (one cut short by a stop request is discarded), over all ranks.
-        self.global_step += self.config.num_steps * self.envs.num_envs * self.ranks.size
 
-        started = time.perf_counter()
-        # $V(s_{t+1})$ for every step: the next stored value, the value after the rollout for the
-        # last step, and the value of the final observation where a game was truncated.
-        self.next_values[:-1] = self.values[1:]
-        self.next_values[-1] = self.model(self.next_obs)[1]
-        if truncations:
-            final_obs = torch.stack([obs for _, _, obs in truncations]).to(self.device)
-            final_values = self.model(final_obs)[1]
-            for (t, env, _), value in zip(truncations, final_values):
-                self.next_values[t, env] = value
-        self.timings["inference"] += time.perf_counter() - started
-        return Rollout(self.obs, self.actions, self.log_probs, self.values, self.next_values,
-                       self.rewards, self.terminated, self.truncated)
-
-    def update_policy(self, rollout: Rollout) -> dict[str, float]:
-        """One PPO update on `rollout`, with the learning rate and clip range of `self.update`."""
-        config = self.config
-        started = time.perf_counter()
-        learning_rate = linear_schedule(config.learning_rate, self.update, self.num_updates)
-        clip_range = linear_schedule(config.clip_range, self.update, self.num_updates)
-        for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate
-
-        with torch.no_grad():
-            advantages, returns = compute_gae(rollout.rewards, rollout.values, rollout.next_values,
-                                              rollout.terminated, rollout.truncated, config.gamma, config.gae_lambda)
-        # Flatten [steps, envs] into one batch of transitions.
-        obs = rollout.obs.flatten(0, 1)
-        actions, old_log_probs, old_values = (x.flatten() for x in (rollout.actions, rollout.log_probs, rollout.values))
-        advantages, returns = advantages.flatten(), returns.flatten()
-
-        # `update_epochs` passes over the batch, each in a new random order, one step of Adam per
-        # minibatch. With `target_kl` set, the update ends at the first minibatch whose policy has
-        # already moved further than that from the one that sampled the data; its step is not taken.
-        history = []
-        stopped_early = False
-        for epoch in range(config.update_epochs):
-            order = torch.randperm(config.batch_size, device=self.device)
-            for start in range(0, config.batch_size, config.minibatch_size):
-                batch = order[start:start + config.minibatch_size]
-                # Gather the minibatch's frames into a buffer that keeps the channels-last layout.
-                torch.index_select(obs, 0, batch, out=self.minibatch_obs)
-                logits, values = self.model(self.minibatch_obs)
-                policy = Categorical(logits=logits, validate_args=False)
-                # Normalise advantages per minibatch: the scale of the gradient no longer depends on
-                # the scale of the rewards, and about half the actions are pushed up, half down.
-                batch_advantages = self.ranks.normalize(advantages[batch])
-                terms = ppo_loss(policy.log_prob(actions[batch]), old_log_probs[batch], batch_advantages,
-                                 values, old_values[batch], returns[batch], policy.entropy(),
-                                 clip_range, config.vf_coef, config.ent_coef)
-                if config.target_kl is not None and self.ranks.mean(terms.approx_kl).item() > config.target_kl:
-                    stopped_early = True
-                    break
-                self.optimizer.zero_grad(set_to_none=True)
-                terms.loss.backward()
-                self.ranks.average_gradients(self.model.parameters())
-                grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
-                if not torch.isfinite(grad_norm):
-                    raise NonFiniteError(f"the loss or its gradient became {grad_norm.item()} at update "
-                                         f"{self.update + 1} (epoch {epoch + 1}); no step was taken")
-                self.optimizer.step()
-                history.append(torch.stack([t.detach() for t in terms]))
-            if stopped_early:
-                break
-        self.update += 1
-        means = torch.stack(history).mean(0) if history else torch.full((len(LossTerms._fields),), float("nan"))
-        variance_explained = torch.tensor(explained_variance(old_values, returns), device=self.device)
-        stats = dict(zip(LossTerms._fields + ("explained_variance",),
-                         self.ranks.mean(torch.cat([means.to(self.device), variance_explained[None]])).tolist()))
-        stats.update(learning_rate=learning_rate, clip_range=clip_range, epochs=epoch + 1,
-                     stopped_early=float(stopped_early))
-        self.timings["update"] += time.perf_counter() - started
-        return stats
-
-    # ### Checkpoints
-    #
-    # A checkpoint holds all the state of training: the model, Adam's moments, the counters, the
-    # random state of every rank and the configuration. The games themselves restart on resume;
-    # their emulator state is not saved.
-
-    def state_dict(self) -> dict:
-        """The state to save. With several ranks, every rank must call it: it gathers their random states."""
-        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.zeros(0, dtype=torch.uint8)
-        return {"format": CHECKPOINT_FORMAT, "config": dataclasses.asdict(self.config), "n_actions": self.envs.n_actions,
-                "update": self.update, "global_step": self.global_step, "ranks": self.ranks.size,
-                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "torch_rng": self.ranks.gather(torch.get_rng_state()), "cuda_rng": self.ranks.gather(cuda_rng)}
-
-    def load_state_dict(self, checkpoint: dict, path: str = "(in memory)") -> None:
-        restore_model(self.model, checkpoint, path)
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
-        self.update, self.global_step = checkpoint["update"], checkpoint["global_step"]
-        torch.set_rng_state(checkpoint["torch_rng"][self.ranks.rank])
-        if self.device.type == "cuda" and len(checkpoint["cuda_rng"][self.ranks.rank]):
-            torch.cuda.set_rng_state(checkpoint["cuda_rng"][self.ranks.rank], self.device)
+# ### Checkpoints
+#
+# A checkpoint holds all the state of training: the model, Adam's moments, the counters, the
+# random state of every rank and the configuration. The games themselves restart on resume; their
+# emulator state is not saved.
 
 
 CHECKPOINT_FORMAT = "ppo_atari/1"
+
+# What `restore_checkpoint` and `main` read from a checkpoint.
+CHECKPOINT_FIELDS = ("config", "update", "global_step", "ranks", "model", "optimizer", "torch_rng", "cuda_rng",
+                     "game")
+
+
+def game_name(env_id: str) -> str:
+    """The ROM behind an id: `ALE/Breakout-v5` and `BreakoutNoFrameskip-v4` are both `breakout`."""
+    return gym.spec(env_id).kwargs["game"]
+
+
+def checkpoint_state(trainer: Trainer, env_id: str, ranks: Ranks) -> dict:
+    """The state to save, marked with the game it plays, so that another game's run refuses it.
+    With several ranks, every rank must call it: it gathers their random states."""
+    device = trainer.device
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.zeros(0, dtype=torch.uint8)
+    return {"format": CHECKPOINT_FORMAT, "config": dataclasses.asdict(trainer.config),
+            "n_actions": trainer.envs.n_actions, "update": trainer.update, "global_step": trainer.global_step,
+            "ranks": ranks.size, "model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+            "torch_rng": ranks.gather(torch.get_rng_state()), "cuda_rng": ranks.gather(cuda_rng),
+            "game": game_name(env_id)}
+
+
+def restore_checkpoint(trainer: Trainer, checkpoint: dict, path: str, ranks: Ranks) -> None:
+    """Continue from `checkpoint`: the weights, Adam's moments, the counters and this rank's random state."""
+    restore_model(trainer.model, checkpoint, path)
+    trainer.optimizer.load_state_dict(checkpoint["optimizer"])
+    trainer.update, trainer.global_step = checkpoint["update"], checkpoint["global_step"]
+    torch.set_rng_state(checkpoint["torch_rng"][ranks.rank])
+    if trainer.device.type == "cuda" and len(checkpoint["cuda_rng"][ranks.rank]):
+        torch.cuda.set_rng_state(checkpoint["cuda_rng"][ranks.rank], trainer.device)
 
 
 def save_checkpoint(state: dict, path: Path) -> None:
@@ -1126,12 +1336,9 @@ def load_checkpoint(path: str) -> dict:
                           f"({type(error).__name__})") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{path} is not a ppo_atari.py checkpoint")
-    if "ranks" not in checkpoint:
-        # Written before training could be data-parallel: one process, one random state, and the
-        # CUDA states of all devices (or none). Read it as a checkpoint of one rank.
-        cuda_rng = checkpoint["cuda_rng"]
-        checkpoint.update(ranks=1, torch_rng=[checkpoint["torch_rng"]],
-                          cuda_rng=[cuda_rng[0] if len(cuda_rng) else torch.zeros(0, dtype=torch.uint8)])
+    missing = [field for field in CHECKPOINT_FIELDS if field not in checkpoint]
+    if missing:
+        raise ConfigError(f"checkpoint {path} lacks {', '.join(missing)}: another version of ppo_atari.py wrote it")
     return checkpoint
 
 
@@ -1145,22 +1352,416 @@ def restore_model(model: nn.Module, checkpoint: dict, path: str) -> None:
         raise ConfigError(f"checkpoint {path} holds a different network: {' '.join(first[1:2] or first)}") from None
 
 
-# ## Past one device: data-parallel training with torchrun
+# ### Logging and progress
+
+
+class Progress:
+    """One line on the terminal: steps done, speed, time left, recent scores."""
+
+    def __init__(self, total: int, start_step: int):
+        self.total, self.start_step = total, start_step
+        self.started = self.last_print = time.perf_counter()
+        self.scores: deque[float] = deque(maxlen=20)
+        self.interactive = sys.stderr.isatty()
+
+    def steps_per_second(self, step: int) -> float:
+        return (step - self.start_step) / max(time.perf_counter() - self.started, 1e-9)
+
+    def show(self, step: int, final: bool = False) -> None:
+        """Redraw the line in place on a terminal. When stderr is a file, write a new line at most
+        every 10 seconds, and the final one, so that the log of a long run stays short."""
+        now = time.perf_counter()
+        if not (self.interactive or final or now - self.last_print >= 10.0):
+            return
+        self.last_print = now
+        sps = self.steps_per_second(step)
+        left = (self.total - step) / sps if sps > 0 else float("inf")
+        score = f"{np.mean(self.scores):.1f} (last {len(self.scores)} games)" if self.scores else "-"
+        line = (f"step {step:,}/{self.total:,} ({100 * step / self.total:.1f}%) | {sps:,.0f} SPS | "
+                f"{format_duration(left)} left | score {score}")
+        end = "\n" if final or not self.interactive else ""
+        print(("\r\033[K" if self.interactive else "") + line, end=end, file=sys.stderr, flush=True)
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+
+
+def hyperparameter_table(config: Config, env_id: str) -> str:
+    """The run's settings as a Markdown table, the first text event of the run (as CleanRL writes it)."""
+    rows = [f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items()]
+    return "|parameter|value|\n|-|-|\n" + "\n".join([f"|env_id|{env_id}|"] + rows)
+
+
+def default_run_dir(config: Config, env_id: str) -> Path:
+    return Path("runs") / f"{gym.spec(env_id).name}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def time_calls(owner, name: str, timings: dict[str, float], key: str) -> None:
+    """Add the seconds that each call of `owner.<name>` takes to `timings[key]`.
+
+    It wraps the method of this one object, so the code it times holds no timer, whatever class
+    the object is (Part 1's `Trainer`, Part 3's or Part 4's, or the `Workers`).
+    """
+    method = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            timings[key] += time.perf_counter() - started
+
+    setattr(owner, name, timed)
+
+
+def log_update(writer, step: int, stats: dict[str, float], finished_games: list, progress: Progress,
+               seconds: dict[str, float]) -> None:
+    """Write one update to TensorBoard under CleanRL's tag names, so that curves compare across projects.
+
+    The real scores of the games that ended (`finished_games`, those of every rank), the schedules,
+    and every measurement of the update under `losses/<name>` but the total loss: each term of the
+    loss's result (`LossTerms`), so a new term needs no edit here, and `explained_variance`. Then
+    the speed, and under `perf/<phase>_seconds` the seconds this update spent stepping games
+    (`env`), choosing actions and storing the rollout (`inference`) and learning (`update`).
+    """
+    for _, score, length in finished_games:
+        writer.add_scalar("charts/episodic_return", score, step)
+        writer.add_scalar("charts/episodic_length", length, step)
+        progress.scores.append(score)
+    writer.add_scalar("charts/learning_rate", stats["learning_rate"], step)
+    writer.add_scalar("charts/clip_range", stats["clip_range"], step)
+    for name, value in stats.items():
+        if name not in ("loss", *NOT_MEASURED):
+            writer.add_scalar(f"losses/{name}", value, step)
+    writer.add_scalar("charts/SPS", progress.steps_per_second(step), step)
+    for phase, value in seconds.items():
+        writer.add_scalar(f"perf/{phase}_seconds", value, step)
+    progress.show(step)
+
+
+# ### Signals
+#
+# Ctrl-C or SIGTERM asks a run to stop at the next safe point: between two steps of the games (the
+# unfinished rollout is dropped) or after an update. The checkpoint is then written and the exit
+# status is 128 plus the signal's number. A second signal aborts at once.
+
+
+class StopRequest:
+    """Turns Ctrl-C (SIGINT) and SIGTERM into a request to stop at the next safe point.
+
+    Training then saves a checkpoint and exits. A second signal aborts at once, unless it comes
+    within `same_within` seconds of the first: under torchrun a terminal's Ctrl-C reaches each rank
+    twice, from the terminal and passed on by torchrun, and the two are one request.
+    """
+
+    def __init__(self, announce: bool = True, same_within: float = 0.0):
+        self.signal: int | None = None
+        self.received = 0.0
+        self.announce, self.same_within = announce, same_within
+
+    def __call__(self) -> bool:
+        return self.signal is not None
+
+    def __enter__(self) -> StopRequest:
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signal is None:
+            self.signal, self.received = signum, time.monotonic()
+            if self.announce:
+                print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
+                      "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+        elif time.monotonic() - self.received >= self.same_within:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+class Stopped(Exception):
+    """Ends the loop of training at a safe point after a `StopRequest`; `signal` is the signal's number."""
+
+    def __init__(self, signal_number: int):
+        super().__init__(signal_number)
+        self.signal = signal_number
+
+
+def stop_between_steps(envs, stop: StopRequest) -> None:
+    """Make `envs.step` raise `Stopped` instead of stepping once a stop is requested, so that one
+    process stops within a rollout rather than after it."""
+    step = envs.step
+
+    def step_unless_stopped(actions: np.ndarray) -> VecStep:
+        if stop():
+            raise Stopped(stop.signal)
+        return step(actions)
+
+    envs.step = step_unless_stopped
+
+
+# ### The run
+#
+# `train` makes the run's directory, workers, device and trainer, then runs Part 1's loop with
+# what a real run adds after each update: logs, progress, checkpoints, and a stop when asked. With
+# several ranks (Part 4) each rank runs it, and rank 0 alone writes.
+
+
+def game_options(config: Config) -> dict:
+    """The settings of `config` that shape a game, as `make_env` takes them."""
+    return dict(sticky_actions=config.sticky_actions, life_loss=config.life_loss, noop_max=config.noop_max,
+                frame_skip=config.frame_skip, max_episode_frames=config.max_episode_frames)
+
+
+def seed_everything(seed: int) -> None:
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def train(config: Config, env_id: str, checkpoint: dict | None = None) -> int:
+    """Train, log and checkpoint; the exit status of the run."""
+    ranks = Ranks.from_environment()
+    if checkpoint is not None:
+        run_dir = Path(config.run_dir or Path(config.resume).parent)
+        if checkpoint["ranks"] != ranks.size:
+            raise ConfigError(f"checkpoint {config.resume} was written by a run of {checkpoint['ranks']} rank(s); "
+                              f"resume it with as many, not {ranks.size}")
+    else:
+        run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config, env_id)
+        if ranks.is_main and (run_dir / "checkpoint.pt").exists():
+            raise ConfigError(f"{run_dir} already holds a checkpoint; resume it with --resume "
+                              f"{run_dir / 'checkpoint.pt'} or choose another --run-dir")
+    seed_everything(config.seed + ranks.rank)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    num_workers = config.num_workers or max(1, min(config.num_envs, cores // ranks.local_size))
+    start_method = None if config.start_method == "default" else config.start_method
+    # The workers start before anything touches CUDA or starts a thread (TensorBoard's writer does),
+    # so that forking them is safe.
+    with Workers(env_id, config.num_envs, num_workers, config.seed, game_options(config), start_method,
+                 first_game=ranks.rank * config.num_envs) as envs:
+        device = choose_device(config.device, ranks.local_rank)
+        ranks.start(device)
+        try:
+            return train_with(config, env_id, checkpoint, envs, device, ranks, run_dir, num_workers)
+        finally:
+            ranks.close()
+
+
+def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Workers, device: torch.device,
+               ranks: Ranks, run_dir: Path, num_workers: int) -> int:
+    """The run of `train`, once the games and the device are ready."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    # With several ranks a rollout always finishes, and the ranks agree after each update on
+    # whether any of them was asked to stop. (Under torchrun a terminal's Ctrl-C reaches each rank twice.)
+    stop = StopRequest(announce=ranks.is_main, same_within=1.0 if ranks.size > 1 else 0.0)
+    timings = {"env": 0.0, "sampling": 0.0, "update": 0.0}
+    time_calls(envs, "step", timings, "env")
+    if ranks.size == 1:
+        stop_between_steps(envs, stop)
+        trainer = TunedTrainer(config, envs, device)
+    else:
+        trainer = TunedDataParallelTrainer(config, envs, device, ranks)
+    time_calls(trainer, "collect_rollout", timings, "sampling")
+    time_calls(trainer, "update_policy", timings, "update")
+    if checkpoint is not None:
+        restore_checkpoint(trainer, checkpoint, config.resume, ranks)
+    checkpoint_path = run_dir / "checkpoint.pt"
+
+    def write_checkpoint() -> None:
+        state = checkpoint_state(trainer, env_id, ranks)  # every rank takes part: it gathers their random states
+        if ranks.is_main:
+            save_checkpoint(state, checkpoint_path)
+
+    writer, progress = None, Progress(config.total_timesteps, trainer.global_step)
+    if ranks.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        writer = SummaryWriter(str(run_dir))
+        if checkpoint is None:
+            writer.add_text("hyperparameters", hyperparameter_table(config, env_id))
+        across = f" on each of {ranks.size} ranks" if ranks.size > 1 else ""
+        print(f"{env_id}: training on {device} ({'bfloat16' if trainer.model.bf16 else 'float32'} torso), "
+              f"{config.num_envs} games in {num_workers} workers{across}; logs and checkpoints in {run_dir}",
+              file=sys.stderr)
+    before = dict(timings)
+
+    def after_update(stats: dict[str, float]) -> None:
+        """Log the update, stop if asked, and write a checkpoint every `checkpoint_every` updates."""
+        finished_games = [game for games in ranks.gather(trainer.finished_games) for game in games]
+        if ranks.is_main:
+            spent = {phase: seconds - before[phase] for phase, seconds in timings.items()}
+            seconds = {"env": spent["env"], "inference": spent["sampling"] - spent["env"], "update": spent["update"]}
+            log_update(writer, trainer.global_step, stats, finished_games, progress, seconds)
+        before.update(timings)
+        stopped_by = ranks.largest(stop.signal or 0, device)
+        if stopped_by:
+            raise Stopped(stopped_by)
+        if trainer.update % config.checkpoint_every == 0 and trainer.update < trainer.num_updates:
+            write_checkpoint()  # the last one, or the one after a stop, is written below
+
+    stopped_by = 0
+    try:
+        with stop:
+            try:
+                trainer.train(after_update)
+            except Stopped as stopped:
+                stopped_by = stopped.signal
+        write_checkpoint()
+        if not ranks.is_main:
+            return 128 + stopped_by if stopped_by else 0
+        progress.show(trainer.global_step, final=True)
+        if stopped_by:
+            print(f"stopped at update {trainer.update}; resume with --resume {checkpoint_path}", file=sys.stderr)
+            return 128 + stopped_by
+        print(f"done: {trainer.global_step:,} steps; checkpoint in {checkpoint_path}", file=sys.stderr)
+        return 0
+    # A worker fails while the games are stepped, before the update begins: the model is whole, so
+    # a single process saves it before reporting. (With several ranks the others cannot join in
+    # writing it; torchrun stops them, and the last checkpoint stays.)
+    except WorkerError as error:
+        if ranks.size == 1:
+            write_checkpoint()
+            print(f"\n{error}\ncheckpoint of update {trainer.update} saved in {checkpoint_path}", file=sys.stderr)
+        else:
+            print(f"\nrank {ranks.rank}: {error}", file=sys.stderr)
+        return 1
+    except NonFiniteError as error:
+        kept = f"the last good checkpoint is {checkpoint_path}" if checkpoint_path.exists() else "no checkpoint was written"
+        print(f"\n{error}; {kept}", file=sys.stderr)
+        return 1
+    except RankFailure as error:
+        print(f"\n{error}; the last checkpoint written is in {checkpoint_path}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\naborted; the last checkpoint written is in {checkpoint_path}", file=sys.stderr)
+        return 130
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+# ### Evaluation and video
+#
+# Evaluation plays whole games, several at once in this process, with the policy sampling its
+# actions as in training, and reports the real score of each game (all lives, unclipped).
+
+
+def evaluate(config: Config, env_id: str, checkpoint: dict) -> list[float]:
+    """Play `eval_episodes` games with the checkpoint's policy; their scores."""
+    device = choose_device(config.device)
+    seeds = game_seeds(config.seed + 1_000_003, config.eval_episodes)  # games unlike the training ones
+    games = [make_env(env_id, seed, game_options(config)) for seed in seeds]
+    model = make_model(games[0].obs.shape, games[0].n_actions)
+    model = TunedActorCritic(model, use_bf16(config.precision, device)).to(device)
+    restore_model(model, checkpoint, config.eval)
+    model.eval()
+    torch.manual_seed(config.seed)
+    videos = []
+    if config.capture_video:
+        video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
+        video_dir.mkdir(parents=True, exist_ok=True)
+        for index, game in enumerate(games):
+            height, width = game.render().shape[:2]
+            path = video_dir / f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4"
+            # 60 frames a second divided by the frame skip: the video plays in real time.
+            video = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 60 / config.frame_skip,
+                                    (2 * width, 2 * height))
+            if not video.isOpened():
+                raise ConfigError(f"OpenCV cannot write {path}")
+            videos.append(video)
+    scores = [0.0] * len(games)
+    playing = list(range(len(games)))
+    for game in games:
+        game.reset()
+    with torch.inference_mode():
+        while playing:
+            obs = torch.from_numpy(np.stack([games[i].obs for i in playing])).to(device)
+            actions = Categorical(logits=model(obs)[0], validate_args=False).sample().tolist()
+            still_playing = []
+            for i, action in zip(playing, actions):
+                step = games[i].step(action)
+                if videos:
+                    frame = cv2.cvtColor(games[i].render(), cv2.COLOR_RGB2BGR)
+                    videos[i].write(cv2.resize(frame, None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST))
+                if step.game_over:
+                    scores[i] = step.score
+                    if videos:
+                        videos[i].release()
+                else:
+                    still_playing.append(i)
+            playing = still_playing
+    if videos:
+        print(f"videos in {video_dir}", file=sys.stderr)
+    return scores
+
+
+# ### main
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Do what the command line asks: evaluate a checkpoint, or train, afresh or resumed. A mistake
+    in the input is one line on stderr and exit status 2; the other statuses are `train`'s."""
+    prog = "ppo_atari.py"
+    try:
+        config, checkpoint = parse_config(argv)
+        env_id = resolve_env_id(config.env)
+        if checkpoint is not None and checkpoint["game"] != game_name(env_id):
+            raise ConfigError(f"checkpoint {config.resume or config.eval} was trained on {checkpoint['game']}, "
+                              f"not {game_name(env_id)}")
+        if config.eval is not None:
+            scores = evaluate(config, env_id, checkpoint)
+            print(f"{env_id}: {len(scores)} games, score {np.mean(scores):.1f} ± {np.std(scores):.1f} "
+                  f"(min {min(scores):g}, max {max(scores):g})")
+            return 0
+        return train(config, env_id, checkpoint)
+    except ConfigError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+
+
+# ## Part 4: More than one device
+#
+# ### Data-parallel training with torchrun
+#
+# This part is optional: without torchrun there is one rank, `train` builds Part 3's
+# `TunedTrainer`, and the script runs exactly as the parts above describe.
 #
 # `torchrun --nproc_per_node N ppo_atari.py --env Breakout` starts N copies of this script, the
-# *ranks*. Each plays its own games (with seeds of its own) and collects its own rollout, so a batch
-# is N times larger; all ranks keep the same network. After each minibatch's backward pass the
-# gradients are averaged over the ranks, so every rank takes the same Adam step and the parameters
-# never diverge. Averaging gradients of per-rank means over equal minibatches is the gradient of the
-# mean over the combined minibatch: the update is the single-process update on the combined batch,
-# with the advantages normalised over the combined minibatch as well. Rank 0 writes the logs and
-# checkpoints. Without torchrun there is one rank and every method below returns its input, so the
-# script behaves exactly as before.
+# *ranks*; `torchrun --nnodes M --nproc_per_node N --rdzv-endpoint HOST:PORT ...` spreads them over
+# M machines. Each rank plays its own `num_envs` games, seeded with the next seeds of the run after
+# those of the rank before it, and collects its own rollout: a batch holds N times as many
+# transitions, and `--total-timesteps` counts the steps of all ranks. All keep the same network,
+# which starts from rank 0's initialisation. Rank 0 alone writes the logs and the checkpoints.
+# `DataParallelTrainer` is Part 1's `Trainer` with a few of its textbook methods overridden; two
+# things make its update the single-process update on the combined batch:
 #
-# We average the gradients with one explicit all-reduce rather than wrapping the model in
-# `DistributedDataParallel`. DDP's gain is to overlap communication with the backward pass, bucket by
-# bucket, which pays for large models on fast links; ours has 1.7M parameters (7 MB, one message),
-# and DDP would wrap the module that sampling also calls. The explicit version is also the math above.
+# * **Gradients are averaged** over the ranks after each backward pass. The mean of the ranks'
+#   gradients of means over equal minibatches is the gradient of the mean over the combined
+#   minibatch, so every rank takes the same clipped Adam step and the parameters never drift apart.
+# * **Advantages are normalised** with the mean and standard deviation of the combined minibatch,
+#   from the sums $\sum_i \hat A_i$, $\sum_i \hat A_i^2$ and the count, added over the ranks.
+#
+# The decision to end an update early (`target_kl`) is taken on the KL of the combined minibatch,
+# so that all ranks take it together, and what the update measured is reported as means over the
+# ranks.
+#
+# **An explicit all-reduce, not DDP.** We average the gradients with one all-reduce rather than
+# wrap the model in `DistributedDataParallel`. DDP's gain is to overlap communication with the
+# backward pass, bucket by bucket, which pays for large models on fast links; ours has 1.7M
+# parameters (7 MB, one message), and DDP would wrap the module that sampling also calls. The
+# explicit version is the math above, line for line. The backend is NCCL between GPUs and gloo
+# between CPUs.
+#
+# A checkpoint holds the random state of every rank; resume it with as many ranks. Ctrl-C stops
+# every rank after the current update, with a checkpoint written. A rank that fails breaks the
+# connections of the next collective operation, and the others stop with a one-line `RankFailure`
+# rather than wait for it. (NCCL does not notice; torchrun ends the others when it sees one fail.)
 
 
 class RankFailure(RuntimeError):
@@ -1219,9 +1820,13 @@ class Ranks:
         self._collective(dist.all_reduce, tensor, op=op)
         return tensor
 
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of `tensor` over the ranks."""
+        return tensor if self.size == 1 else self._all_reduce(tensor.clone())
+
     def mean(self, tensor: torch.Tensor) -> torch.Tensor:
         """The mean of `tensor` over the ranks."""
-        return tensor if self.size == 1 else self._all_reduce(tensor.clone()) / self.size
+        return tensor if self.size == 1 else self.sum(tensor) / self.size
 
     def average_gradients(self, parameters) -> None:
         """Replace each gradient by its mean over the ranks, in one message for all of them."""
@@ -1231,23 +1836,6 @@ class Ranks:
         flat = self._all_reduce(torch.cat([g.flatten() for g in gradients])) / self.size
         for gradient, average in zip(gradients, flat.split([g.numel() for g in gradients])):
             gradient.copy_(average.view_as(gradient))
-
-    def normalize(self, advantages: torch.Tensor) -> torch.Tensor:
-        r"""Advantages minus their mean, over their standard deviation, both over the combined minibatch.
-
-        Normalising the advantages of each minibatch keeps the gradient's scale independent of the
-        rewards' scale, and pushes about half the actions up, half down. With several ranks the mean
-        and the (unbiased) variance come from the sums $\sum A$, $\sum A^2$ and the count, added
-        over the ranks.
-        """
-        if self.size == 1:
-            return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-        sums = torch.stack([advantages.sum(), (advantages ** 2).sum(),
-                            torch.tensor(float(advantages.numel()), device=advantages.device)])
-        total, squares, count = self._all_reduce(sums)
-        mean = total / count
-        variance = (squares - count * mean ** 2) / (count - 1)
-        return (advantages - mean) / (variance.clamp(min=0).sqrt() + 1e-8)
 
     def broadcast_parameters(self, model: nn.Module) -> None:
         """Start every rank from rank 0's initialisation."""
@@ -1287,342 +1875,60 @@ def exit_process(code: int, ranks: int) -> typing.NoReturn:
     sys.exit(code)
 
 
-# ### Logging and stopping
+class DataParallelTrainer(Trainer):
+    """Part 1's `Trainer` as one of several ranks: every rank takes the update that one process
+    would take on the combined batch of all of them.
 
-
-class Progress:
-    """One line on the terminal: steps done, speed, time left, recent scores."""
-
-    def __init__(self, total: int, start_step: int):
-        self.total, self.start_step = total, start_step
-        self.started = self.last_print = time.perf_counter()
-        self.scores: deque[float] = deque(maxlen=20)
-        self.interactive = sys.stderr.isatty()
-
-    def steps_per_second(self, step: int) -> float:
-        return (step - self.start_step) / max(time.perf_counter() - self.started, 1e-9)
-
-    def show(self, step: int, final: bool = False) -> None:
-        """Redraw the line in place on a terminal. When stderr is a file, write a new line at most
-        every 10 seconds, and the final one, so that the log of a long run stays short."""
-        now = time.perf_counter()
-        if not (self.interactive or final or now - self.last_print >= 10.0):
-            return
-        self.last_print = now
-        sps = self.steps_per_second(step)
-        left = (self.total - step) / sps if sps > 0 else float("inf")
-        score = f"{np.mean(self.scores):.1f} (last {len(self.scores)} games)" if self.scores else "-"
-        line = (f"step {step:,}/{self.total:,} ({100 * step / self.total:.1f}%) | {sps:,.0f} SPS | "
-                f"{format_duration(left)} left | score {score}")
-        end = "\n" if final or not self.interactive else ""
-        print(("\r\033[K" if self.interactive else "") + line, end=end, file=sys.stderr, flush=True)
-
-
-def format_duration(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    minutes, seconds = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
-
-
-class StopRequest:
-    """Turns Ctrl-C (SIGINT) and SIGTERM into a request to stop at the next safe point.
-
-    Training then saves a checkpoint and exits with status 128 plus the signal's number. A second
-    signal more than a second after the first aborts at once. One within the second is the same
-    request arriving twice, as it does under torchrun, which passes a Ctrl-C on to every rank
-    that the terminal has already delivered it to.
+    It overrides the textbook methods where ranks differ from one process, and adds nothing else:
+    `__init__` starts every rank from rank 0's network; `steps_per_update` counts the steps of every
+    rank; `normalize_advantages` standardises over the combined minibatch; `compute_gradients`
+    averages the gradients; `beyond_target_kl` decides on the combined minibatch; `update_policy`
+    reports means over the ranks.
     """
 
-    def __init__(self, announce: bool = True):
-        self.signal: int | None = None
-        self.received = 0.0
-        self.announce = announce
+    def __init__(self, config: Config, envs, device: torch.device, ranks: Ranks):
+        self.ranks = ranks
+        super().__init__(config, envs, device)
+        ranks.broadcast_parameters(self.model)
 
-    def __call__(self) -> bool:
-        return self.signal is not None
+    @property
+    def steps_per_update(self) -> int:
+        return self.config.batch_size * self.ranks.size
 
-    def __enter__(self) -> StopRequest:
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-        return self
+    def normalize_advantages(self, advantages: torch.Tensor) -> torch.Tensor:
+        r"""`normalize_advantages` with the mean and standard deviation of the combined minibatch.
 
-    def _handle(self, signum: int, frame) -> None:
-        if self.signal is None:
-            self.signal, self.received = signum, time.monotonic()
-            if self.announce:
-                print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
-                      "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
-        elif time.monotonic() - self.received > 1.0:
-            raise KeyboardInterrupt
+        The mean $\mu = S_1 / n$ and the unbiased variance $(S_2 - n \mu^2) / (n - 1)$ come from
+        $S_1 = \sum_i \hat A_i$, $S_2 = \sum_i \hat A_i^2$ and the count $n$, each added over the ranks.
+        """
+        sums = torch.stack([advantages.sum(), (advantages ** 2).sum(),
+                            torch.tensor(float(advantages.numel()), device=advantages.device)])
+        total, squares, count = self.ranks.sum(sums)
+        mean = total / count
+        variance = (squares - count * mean ** 2) / (count - 1)
+        return (advantages - mean) / (variance.clamp(min=0).sqrt() + 1e-8)
 
-    def __exit__(self, *exc_info) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+    def compute_gradients(self, loss: torch.Tensor) -> None:
+        super().compute_gradients(loss)
+        self.ranks.average_gradients(self.model.parameters())
 
+    def beyond_target_kl(self, approx_kl: torch.Tensor) -> bool:
+        # Without a target no rank asks, so none waits for the others.
+        return self.config.target_kl is not None and super().beyond_target_kl(self.ranks.mean(approx_kl))
 
-def hyperparameter_table(config: Config, env_id: str) -> str:
-    """The run's settings as a Markdown table, the first text event of the run (as CleanRL writes it)."""
-    rows = [f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items()]
-    return "|parameter|value|\n|-|-|\n" + "\n".join([f"|env_id|{env_id}|"] + rows)
-
-
-def seed_everything(seed: int) -> None:
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def game_options(config: Config) -> dict:
-    return dict(sticky_actions=config.sticky_actions, life_loss=config.life_loss, noop_max=config.noop_max,
-                frame_skip=config.frame_skip, max_episode_frames=config.max_episode_frames)
+    def update_policy(self, rollout: Rollout) -> dict[str, float]:
+        """Part 1's update. What it measured is reported as means over the ranks: for the loss's
+        terms, means over equal minibatches, that is the means over the combined minibatches; for the
+        explained variance, an average. The schedules and the epochs run are the same on every rank."""
+        stats = super().update_policy(rollout)
+        measured = [name for name in stats if name not in NOT_MEASURED]
+        means = self.ranks.mean(torch.tensor([stats[name] for name in measured], device=self.device))
+        return {**stats, **dict(zip(measured, means.tolist()))}
 
 
-def default_run_dir(config: Config, env_id: str) -> Path:
-    return Path("runs") / f"{gym.spec(env_id).name}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def checkpoint_state(trainer: Trainer, env_id: str) -> dict:
-    """The trainer's state, marked with the game it plays, so that another game's run refuses it."""
-    return {**trainer.state_dict(), "game": game_name(env_id)}
-
-
-def train(config: Config, env_id: str, checkpoint: dict | None = None) -> int:
-    """Train, log and checkpoint; the exit status of the run."""
-    ranks = Ranks.from_environment()
-    if checkpoint is not None:
-        run_dir = Path(config.run_dir or Path(config.resume).parent)
-        if checkpoint["ranks"] != ranks.size:
-            raise ConfigError(f"checkpoint {config.resume} was written by a run of {checkpoint['ranks']} rank(s); "
-                              f"resume it with as many, not {ranks.size}")
-    else:
-        run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config, env_id)
-        if ranks.is_main and (run_dir / "checkpoint.pt").exists():
-            raise ConfigError(f"{run_dir} already holds a checkpoint; resume it with --resume "
-                              f"{run_dir / 'checkpoint.pt'} or choose another --run-dir")
-    checkpoint_path = run_dir / "checkpoint.pt"
-    seed_everything(config.seed + ranks.rank)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    num_workers = config.num_workers or max(1, min(config.num_envs, cores // ranks.local_size))
-    start_method = None if config.start_method == "default" else config.start_method
-    # The workers start before anything touches CUDA or starts a thread (TensorBoard's writer does),
-    # so that forking them is safe.
-    with Workers(env_id, config.num_envs, num_workers, config.seed, game_options(config), start_method,
-                 first_game=ranks.rank * config.num_envs) as envs:
-        device = choose_device(config.device, ranks.local_rank)
-        ranks.start(device)
-        try:
-            return train_with(config, env_id, checkpoint, envs, device, ranks, run_dir, num_workers)
-        finally:
-            ranks.close()
-
-
-def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Workers, device: torch.device,
-               ranks: Ranks, run_dir: Path, num_workers: int) -> int:
-    """The training loop of `train`, once the games and the device are ready."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    bf16 = use_bf16(config.precision, device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        torch.backends.cudnn.benchmark = True
-    trainer = Trainer(config, envs, device, bf16=bf16, ranks=ranks)
-    if checkpoint is not None:
-        trainer.load_state_dict(checkpoint, config.resume)
-    checkpoint_path = run_dir / "checkpoint.pt"
-
-    def write_checkpoint() -> None:
-        state = checkpoint_state(trainer, env_id)  # every rank takes part: it gathers their random states
-        if ranks.is_main:
-            save_checkpoint(state, checkpoint_path)
-
-    writer, progress = None, Progress(config.total_timesteps, trainer.global_step)
-    if ranks.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        writer = SummaryWriter(str(run_dir))
-        if checkpoint is None:
-            writer.add_text("hyperparameters", hyperparameter_table(config, env_id))
-        across = f" on each of {ranks.size} ranks" if ranks.size > 1 else ""
-        print(f"{env_id}: training on {device} ({'bfloat16' if bf16 else 'float32'} torso), "
-              f"{config.num_envs} games in {num_workers} workers{across}; logs and checkpoints in {run_dir}",
-              file=sys.stderr)
-    # The loop of training: sample a rollout, update on it, log, and write a checkpoint every
-    # `checkpoint_every` updates and at the end. Ctrl-C or SIGTERM asks it to stop at the next
-    # safe point, between two steps of the games (the unfinished rollout is dropped) or after an
-    # update; the checkpoint is then written and the exit status is 128 plus the signal's number.
-    # With several ranks, the ranks agree after each update on whether any of them was asked to stop.
-    stopped_by = 0
-    try:
-        with StopRequest(announce=ranks.is_main) as stop:
-            while trainer.update < trainer.num_updates:
-                iteration_started = dict(trainer.timings)
-                rollout = trainer.collect_rollout(stop if ranks.size == 1 else lambda: False)
-                if rollout is None:
-                    stopped_by = stop.signal
-                    break
-                stats = trainer.update_policy(rollout)
-                finished_games = [game for games in ranks.gather(trainer.finished_games) for game in games]
-                if ranks.is_main:
-                    log_update(writer, trainer, stats, finished_games, progress, iteration_started)
-                stopped_by = ranks.largest(stop.signal or 0, device)
-                if stopped_by:
-                    break
-                if trainer.update % config.checkpoint_every == 0 and trainer.update < trainer.num_updates:
-                    write_checkpoint()  # the last one, or the one after a stop, is written below
-        write_checkpoint()
-        if not ranks.is_main:
-            return 128 + stopped_by if stopped_by else 0
-        progress.show(trainer.global_step, final=True)
-        if stopped_by:
-            print(f"stopped at update {trainer.update}; resume with --resume {checkpoint_path}", file=sys.stderr)
-            return 128 + stopped_by
-        print(f"done: {trainer.global_step:,} steps; checkpoint in {checkpoint_path}", file=sys.stderr)
-        return 0
-    # A worker fails while the games are stepped, before the update begins: the model is whole, so
-    # a single process saves it before reporting. (With several ranks the others cannot join in
-    # writing it; torchrun stops them, and the last checkpoint stays.)
-    except WorkerError as error:
-        if ranks.size == 1:
-            write_checkpoint()
-            print(f"\n{error}\ncheckpoint of update {trainer.update} saved in {checkpoint_path}", file=sys.stderr)
-        else:
-            print(f"\nrank {ranks.rank}: {error}", file=sys.stderr)
-        return 1
-    except NonFiniteError as error:
-        kept = f"the last good checkpoint is {checkpoint_path}" if checkpoint_path.exists() else "no checkpoint was written"
-        print(f"\n{error}; {kept}", file=sys.stderr)
-        return 1
-    except RankFailure as error:
-        print(f"\n{error}; the last checkpoint written is in {checkpoint_path}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"\naborted; the last checkpoint written is in {checkpoint_path}", file=sys.stderr)
-        return 130
-    finally:
-        if writer is not None:
-            writer.close()
-
-
-def log_update(writer, trainer: Trainer, stats: dict, finished_games: list, progress: Progress,
-               timings_before: dict) -> None:
-    """Write one update to TensorBoard under CleanRL's tag names, so that curves compare across
-    projects: the real scores of the games that ended, the schedules, the loss terms and the speed;
-    under `perf/`, the seconds this update spent stepping games, choosing actions and learning."""
-    step = trainer.global_step
-    for _, score, length in finished_games:
-        writer.add_scalar("charts/episodic_return", score, step)
-        writer.add_scalar("charts/episodic_length", length, step)
-        progress.scores.append(score)
-    writer.add_scalar("charts/learning_rate", stats["learning_rate"], step)
-    writer.add_scalar("charts/clip_range", stats["clip_range"], step)
-    for name in ["policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance"]:
-        writer.add_scalar(f"losses/{name}", stats[name], step)
-    writer.add_scalar("charts/SPS", progress.steps_per_second(step), step)
-    for name, seconds in trainer.timings.items():
-        writer.add_scalar(f"perf/{name}_seconds", seconds - timings_before.get(name, 0.0), step)
-    progress.show(step)
-
-
-# ## Evaluation
-#
-# Evaluation plays whole games, several at once in this process, with the policy sampling its
-# actions as in training, and reports the real score of each game (all lives, unclipped).
-
-
-def evaluate(config: Config, env_id: str, checkpoint: dict) -> list[float]:
-    """Play `eval_episodes` games with the checkpoint's policy; their scores."""
-    device = choose_device(config.device)
-    seeds = game_seeds(config.seed + 1_000_003, config.eval_episodes)  # games unlike the training ones
-    games = [Game(env_id, seed, **game_options(config)) for seed in seeds]
-    model = ActorCritic(games[0].n_actions, bf16=use_bf16(config.precision, device)).to(device)
-    restore_model(model, checkpoint, config.eval)
-    model.eval()
-    torch.manual_seed(config.seed)
-    videos = []
-    if config.capture_video:
-        video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
-        video_dir.mkdir(parents=True, exist_ok=True)
-        for index, game in enumerate(games):
-            height, width = game.ale.getScreenDims()
-            path = video_dir / f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4"
-            # 60 frames a second divided by the frame skip: the video plays in real time.
-            video = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 60 / config.frame_skip,
-                                    (2 * width, 2 * height))
-            if not video.isOpened():
-                raise ConfigError(f"OpenCV cannot write {path}")
-            videos.append(video)
-    scores = [0.0] * len(games)
-    playing = list(range(len(games)))
-    for game in games:
-        game.reset()
-    with torch.inference_mode():
-        while playing:
-            obs = torch.from_numpy(np.stack([games[i].obs for i in playing])).to(device)
-            actions = Categorical(logits=model(obs)[0], validate_args=False).sample().tolist()
-            still_playing = []
-            for i, action in zip(playing, actions):
-                step = games[i].step(action)
-                if videos:
-                    frame = cv2.cvtColor(games[i].render(), cv2.COLOR_RGB2BGR)
-                    videos[i].write(cv2.resize(frame, None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST))
-                if step.game_over:
-                    scores[i] = step.score
-                    if videos:
-                        videos[i].release()
-                else:
-                    still_playing.append(i)
-            playing = still_playing
-    if videos:
-        print(f"videos in {video_dir}", file=sys.stderr)
-    return scores
-
-
-# ## The command line
-
-
-def parse_config(argv: list[str] | None) -> tuple[Config, dict | None]:
-    """The configuration of this invocation and the checkpoint it names, if any.
-
-    A resumed or evaluated run starts from the checkpoint's hyperparameters; flags given on the
-    command line override them (to extend `--total-timesteps`, say).
-    """
-    given = vars(build_parser().parse_args(argv))
-    checkpoint = None
-    base = {}
-    path = given.get("resume") or given.get("eval")
-    if path is not None and not (given.get("resume") and given.get("eval")):
-        checkpoint = load_checkpoint(path)
-        fields = {f.name for f in dataclasses.fields(Config)}
-        base = {k: v for k, v in checkpoint["config"].items() if k in fields and k not in RUN_OPTIONS}
-    config = Config(**{**base, **given})
-    check_config(config)
-    if config.resume is not None:
-        saved = checkpoint["config"]
-        if saved["num_envs"] * saved["num_steps"] != config.batch_size:
-            raise ConfigError(f"a resumed run keeps its batch of {saved['num_envs'] * saved['num_steps']} "
-                              f"transitions (--num-envs x --num-steps)")
-    return config, checkpoint
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Do what the command line asks: evaluate a checkpoint, or train, afresh or resumed. A mistake
-    in the input is one line on stderr and exit status 2; the other statuses are `train`'s."""
-    prog = "ppo_atari.py"
-    try:
-        config, checkpoint = parse_config(argv)
-        env_id = resolve_env_id(config.env)
-        if checkpoint is not None and checkpoint["game"] != game_name(env_id):
-            raise ConfigError(f"checkpoint {config.resume or config.eval} was trained on {checkpoint['game']}, "
-                              f"not {game_name(env_id)}")
-        if config.eval is not None:
-            scores = evaluate(config, env_id, checkpoint)
-            print(f"{env_id}: {len(scores)} games, score {np.mean(scores):.1f} ± {np.std(scores):.1f} "
-                  f"(min {min(scores):g}, max {max(scores):g})")
-            return 0
-        return train(config, env_id, checkpoint)
-    except ConfigError as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
+class TunedDataParallelTrainer(DataParallelTrainer, TunedTrainer):
+    """What each rank of a real run trains with: the ranks of this part on the hardware choices of
+    Part 3, both extensions of Part 1's `Trainer` at once."""
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@
     the medians are compared, so that a noisy neighbour on a shared machine hits both alike.
 
 (b) Training: agent steps per second of the real trainer with the default hyperparameters, with
-    the time of an iteration split into env stepping, inference (sampling actions and values) and
-    the update, for each precision asked for.
+    the time of an iteration split into env stepping, inference (sampling actions and values, and
+    storing the rollout) and the update, for each precision asked for. The script's own code holds
+    no timer: its methods are timed from outside, with `ppo_atari.time_calls`, as a run times them.
 
     python benchmarks/throughput.py                   # both parts, Breakout, 8 games
     python benchmarks/throughput.py --part train --num-envs 32 --device cuda
@@ -93,25 +94,35 @@ def env_throughput(env_id: str, num_envs: int, num_workers: int, steps: int, rep
             "ratio": medians["workers"] / medians["vector_env"], "runs": runs}
 
 
-def train_throughput(env_id: str, num_envs: int, num_workers: int, device: torch.device, bf16: bool,
+def train_throughput(env_id: str, num_envs: int, num_workers: int, device: torch.device, precision: str,
                      iterations: int, warmup: int) -> dict:
-    config = ppo_atari.Config(env=env_id, num_envs=num_envs)
+    """Agent steps per second of the trainer a run uses (Part 3's `TunedTrainer`), and the time of
+    each iteration split into its phases. The phases are timed from outside, as a run times them:
+    stepping the games (the workers' `step`), sampling (`collect_rollout`, of which the rest is
+    inference and storing the rollout) and the update (`update_policy`)."""
+    config = ppo_atari.Config(env=env_id, num_envs=num_envs, precision=precision)
     torch.manual_seed(1)
+    timings = {"env": 0.0, "sampling": 0.0, "update": 0.0}
     with ppo_atari.Workers(env_id, num_envs, num_workers, seed=1,
                            game_options=ppo_atari.game_options(config)) as envs:
-        trainer = ppo_atari.Trainer(config, envs, device, bf16=bf16)
+        ppo_atari.time_calls(envs, "step", timings, "env")
+        trainer = ppo_atari.TunedTrainer(config, envs, device)
+        ppo_atari.time_calls(trainer, "collect_rollout", timings, "sampling")
+        ppo_atari.time_calls(trainer, "update_policy", timings, "update")
         per_iteration, splits = [], []
         for iteration in range(warmup + iterations):
-            before = dict(trainer.timings)
+            before = dict(timings)
             started = time.perf_counter()
             trainer.update_policy(trainer.collect_rollout())
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if iteration >= warmup:
                 per_iteration.append(time.perf_counter() - started)
-                splits.append({k: trainer.timings[k] - before[k] for k in trainer.timings})
+                spent = {phase: timings[phase] - before[phase] for phase in timings}
+                splits.append({"env": spent["env"], "inference": spent["sampling"] - spent["env"],
+                               "update": spent["update"]})
     median_seconds = statistics.median(per_iteration)
-    return {"device": str(device), "precision": "bf16" if bf16 else "fp32", "num_envs": num_envs,
+    return {"device": str(device), "precision": "bf16" if trainer.model.bf16 else "fp32", "num_envs": num_envs,
             "num_workers": num_workers, "sps": config.batch_size / median_seconds,
             "seconds_per_iteration": median_seconds,
             **{f"{k}_seconds": statistics.median(s[k] for s in splits) for k in splits[0]}}
@@ -146,13 +157,12 @@ def main() -> None:
         print(f"    ratio, Workers / AtariVectorEnv (its fastest): {env['ratio']:.2f}")
     if args.part in ("train", "all"):
         device = ppo_atari.choose_device(args.device)
-        precisions = {"both": ["fp32", "bf16"], "auto": [None]}.get(args.precision, [args.precision])
+        precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
         results["train"] = []
         print(f"(b) training, {env_id}, {args.num_envs} games x 128 steps, {num_workers} workers, {device}, "
               f"median of {args.iterations} iterations")
         for precision in precisions:
-            bf16 = ppo_atari.use_bf16("auto", device) if precision is None else precision == "bf16"
-            run = train_throughput(env_id, args.num_envs, num_workers, device, bf16, args.iterations, args.warmup)
+            run = train_throughput(env_id, args.num_envs, num_workers, device, precision, args.iterations, args.warmup)
             results["train"].append(run)
             print(f"    {run['precision']}: {run['sps']:6,.0f} SPS | per iteration {run['seconds_per_iteration']:.3f} s"
                   f" = env {run['env_seconds']:.3f} + inference {run['inference_seconds']:.3f}"

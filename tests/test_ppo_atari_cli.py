@@ -1,5 +1,6 @@
 """ppo_atari.py through its command line, as a user runs it."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -188,12 +189,39 @@ def test_a_nan_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] == 2
 
 
-def test_a_checkpoint_from_before_torchrun_reads_as_one_rank(trained, tmp_path):
-    # Checkpoints written before data-parallel training held one random state, not one per rank.
+def test_a_checkpoint_that_lacks_a_field_exits_2(trained, tmp_path):
+    # Checkpoints hold one random state per rank since torchrun came; one written by an earlier
+    # version of the script, without "ranks", is refused in one line rather than read half.
     checkpoint = torch.load(trained[0] / "checkpoint.pt", weights_only=True)
-    old = {**checkpoint, "torch_rng": checkpoint["torch_rng"][0], "cuda_rng": []}
-    del old["ranks"]
-    torch.save(old, tmp_path / "old.pt")
-    loaded = ppo_atari.load_checkpoint(str(tmp_path / "old.pt"))
-    assert loaded["ranks"] == 1 and len(loaded["torch_rng"]) == 1 and len(loaded["cuda_rng"]) == 1
-    assert torch.equal(loaded["torch_rng"][0], checkpoint["torch_rng"][0])
+    del checkpoint["ranks"]
+    torch.save(checkpoint, tmp_path / "old.pt")
+    one_line_error(run("--resume", tmp_path / "old.pt"), "lacks ranks: another version of ppo_atari.py wrote it")
+
+
+def test_a_second_signal_aborts_one_process_at_once():
+    # One process hears a Ctrl-C once: a second one, however soon, aborts. Only the ranks of a
+    # torchrun run, which hear each Ctrl-C twice, take two within a second as one.
+    for same_within, aborts in [(0.0, True), (1.0, False)]:
+        with ppo_atari.StopRequest(announce=False, same_within=same_within) as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop() and stop.signal == signal.SIGINT
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                aborted = False
+            except KeyboardInterrupt:
+                aborted = True
+        assert aborted == aborts
+
+
+def test_a_run_of_one_process_takes_no_second_signal_as_the_first(tmp_path, monkeypatch, capsys):
+    chosen = []
+
+    class Recorded(ppo_atari.StopRequest):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            chosen.append(self.same_within)
+
+    monkeypatch.setattr(ppo_atari, "StopRequest", Recorded)
+    status = ppo_atari.main(["--total-timesteps", "128", "--num-envs", "2", "--num-steps", "64",
+                             "--run-dir", str(tmp_path)])
+    assert status == 0 and chosen == [0.0]

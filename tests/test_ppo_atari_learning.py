@@ -16,7 +16,7 @@ class ShowsWhichActionPays:
     """A vector env of one-step episodes with `VecStep` results, like `ppo_atari.Workers`."""
 
     def __init__(self, num_envs: int, n_actions: int, seed: int):
-        self.num_envs, self.n_actions = num_envs, n_actions
+        self.num_envs, self.n_actions, self.observation_shape = num_envs, n_actions, (4, 84, 84)
         self.rng = np.random.default_rng(seed)
         self.obs = np.zeros((num_envs, 4, 84, 84), np.uint8)
         self.final_obs = np.zeros_like(self.obs)
@@ -56,10 +56,8 @@ def train_on_task(advantage_sign: float, monkeypatch) -> float:
     torch.manual_seed(0)
     config = ppo_atari.Config(num_envs=8, num_steps=32, total_timesteps=4096, learning_rate=2.5e-4)
     envs = ShowsWhichActionPays(config.num_envs, n_actions=4, seed=0)
-    device = torch.device("cpu")
-    trainer = ppo_atari.Trainer(config, envs, device, bf16=ppo_atari.use_bf16("auto", device))
-    while trainer.update < trainer.num_updates:
-        trainer.update_policy(trainer.collect_rollout())
+    trainer = ppo_atari.TunedTrainer(config, envs, torch.device("cpu"))  # as a run trains, bfloat16 where it is fast
+    trainer.train()
     return float(np.mean(envs.rewards_seen[-512:]))
 
 

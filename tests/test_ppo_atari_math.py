@@ -71,6 +71,9 @@ def test_truncation_and_termination_differ_only_in_the_bootstrap():
     assert truncated.item() == pytest.approx(1 + 0.9 * 5) and terminated.item() == pytest.approx(1.0)
 
 
+COEFFICIENTS = ppo_atari.Config(vf_coef=0.5, ent_coef=0.01)
+
+
 def loss_on(ratios, advantages, clip_range=0.2, values=None, old_values=None, returns=None):
     old_log_probs = torch.zeros(len(ratios))
     log_probs = torch.tensor(ratios, dtype=torch.float64).log().float().requires_grad_()
@@ -79,7 +82,7 @@ def loss_on(ratios, advantages, clip_range=0.2, values=None, old_values=None, re
     old_values = torch.zeros(n) if old_values is None else torch.tensor(old_values)
     returns = torch.zeros(n) if returns is None else torch.tensor(returns)
     terms = ppo_atari.ppo_loss(log_probs, old_log_probs, torch.tensor(advantages), values, old_values, returns,
-                               entropy=torch.zeros(n), clip_range=clip_range, vf_coef=0.5, ent_coef=0.01)
+                               entropy=torch.zeros(n), clip_range=clip_range, config=COEFFICIENTS)
     return terms, log_probs, values
 
 
@@ -127,7 +130,7 @@ def test_total_loss_and_kl_estimate():
     n = 2
     entropy_terms = ppo_atari.ppo_loss(torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(n),
                                        torch.zeros(n), entropy=torch.tensor([1.0, 2.0]), clip_range=0.1,
-                                       vf_coef=0.5, ent_coef=0.01)
+                                       config=COEFFICIENTS)
     assert entropy_terms.loss.item() == pytest.approx(-0.01 * 1.5)  # the entropy is a bonus
 
 

@@ -10,8 +10,11 @@ import torch
 import ppo_atari
 
 
+SHAPE = ppo_atari.Game.observation_shape
+
+
 def test_initialisation_gains():
-    model = ppo_atari.ActorCritic(n_actions=6)
+    model = ppo_atari.make_model(SHAPE, n_actions=6)
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
     gains = {id(model.policy): 0.01, id(model.value): 1.0}
     assert len(layers) == 6
@@ -24,9 +27,30 @@ def test_initialisation_gains():
         assert torch.count_nonzero(layer.bias) == 0
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_forward_takes_bytes_and_gives_float_heads(bf16):
-    model = ppo_atari.ActorCritic(n_actions=4, bf16=bf16)
+def test_the_network_is_sized_by_the_observation_and_saved_under_fixed_names():
+    assert ppo_atari.Game.observation_shape == (4, 84, 84)
+    # Part 1's network, as checkpoints name its weights (a checkpoint of the code before the
+    # network was built by `make_model` loads into it).
+    names = {name: tuple(tensor.shape) for name, tensor in ppo_atari.make_model(SHAPE, 6).state_dict().items()}
+    assert names == {"torso.0.weight": (32, 4, 8, 8), "torso.0.bias": (32,), "torso.2.weight": (64, 32, 4, 4),
+                     "torso.2.bias": (64,), "torso.4.weight": (64, 64, 3, 3), "torso.4.bias": (64,),
+                     "torso.7.weight": (512, 3136), "torso.7.bias": (512,), "policy.weight": (6, 512),
+                     "policy.bias": (6,), "value.weight": (1, 512), "value.bias": (1,)}
+    # Frames of another shape: 3 colour channels of 48 x 48 leave 64 x 2 x 2 features.
+    model = ppo_atari.make_model((3, 48, 48), 5)
+    logits, values = model(torch.zeros((2, 3, 48, 48), dtype=torch.uint8))
+    assert model.torso[7].in_features == 256 and logits.shape == (2, 5) and values.shape == (2,)
+
+
+def tuned_or_not(precision: str | None, n_actions: int = 4):
+    """Part 1's network, or Part 3's tuned copy of it in `precision`."""
+    model = ppo_atari.make_model(SHAPE, n_actions)
+    return model if precision is None else ppo_atari.TunedActorCritic(model, bf16=precision == "bf16")
+
+
+@pytest.mark.parametrize("precision", [None, "fp32", "bf16"])
+def test_forward_takes_bytes_and_gives_float_heads(precision):
+    model = tuned_or_not(precision)
     frames = torch.randint(0, 256, (3, 4, 84, 84), dtype=torch.uint8)
     logits, values = model(frames)
     assert logits.shape == (3, 4) and values.shape == (3,)
@@ -36,8 +60,23 @@ def test_forward_takes_bytes_and_gives_float_heads(bf16):
     torch.testing.assert_close(probabilities, torch.full_like(probabilities, 0.25), atol=0.02, rtol=0)
 
 
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 1e-5), ("bf16", 0.05)])
+def test_the_tuned_network_computes_what_the_plain_one_does(precision, tolerance):
+    # The hardware choices change the layout and the arithmetic, not the function: the same
+    # weights give the same logits and values, to float32 rounding or to bfloat16's 8 bits.
+    torch.manual_seed(0)
+    plain = ppo_atari.make_model(SHAPE, 4)
+    tuned = ppo_atari.TunedActorCritic(ppo_atari.make_model(SHAPE, 4), bf16=precision == "bf16")
+    tuned.load_state_dict(plain.state_dict())
+    frames = torch.randint(0, 256, (5, *SHAPE), dtype=torch.uint8)
+    with torch.no_grad():
+        for ours, theirs in zip(tuned(frames), plain(frames)):
+            scale = theirs.abs().max()
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=tolerance * scale)
+
+
 def test_bytes_are_scaled_to_unit_range():
-    model = ppo_atari.ActorCritic(n_actions=4)
+    model = ppo_atari.make_model(SHAPE, n_actions=4)
     frames = torch.randint(0, 256, (2, 4, 84, 84), dtype=torch.uint8)
     first_conv = model.torso[0]
     expected = first_conv(frames.float() / 255.0)
@@ -55,7 +94,7 @@ class ScriptedEnv:
     """A vector env whose episodes end where the test says, with recognisable frames."""
 
     def __init__(self, num_envs=2, truncate_at=None, n_actions=3):
-        self.num_envs, self.n_actions = num_envs, n_actions
+        self.num_envs, self.n_actions, self.observation_shape = num_envs, n_actions, SHAPE
         self.t = 0
         self.truncate_at = truncate_at or {}
         self.obs = np.zeros((num_envs, 4, 84, 84), np.uint8)
@@ -93,19 +132,23 @@ def test_a_truncated_step_bootstraps_from_its_final_observation():
     with torch.no_grad():
         final_value = model(torch.full((1, 4, 84, 84), 200, dtype=torch.uint8))[1].item()
         after_value = model(torch.full((1, 4, 84, 84), 6, dtype=torch.uint8))[1].item()
+    # The values here are of order 0.1, some near 0; computed in batches of another size and with
+    # another number of threads, their float32 sums round differently, by about 1e-8 on the CPUs
+    # we know. The tolerance is relative to that scale, not to each value.
+    close = dict(rel=0, abs=1e-6)
     # Step index 2 (the third step) truncated game 1: its next value is V(final obs), not V of the
     # observation the env returned (the start of the next game).
-    assert rollout.next_values[2, 1].item() == pytest.approx(final_value, rel=1e-5)
-    assert rollout.next_values[2, 0].item() == pytest.approx(rollout.values[3, 0].item(), rel=1e-5)
+    assert rollout.next_values[2, 1].item() == pytest.approx(final_value, **close)
+    assert rollout.next_values[2, 0].item() == pytest.approx(rollout.values[3, 0].item(), **close)
     # The last step bootstraps from the observation after the rollout.
-    assert rollout.next_values[-1, 0].item() == pytest.approx(after_value, rel=1e-5)
+    assert rollout.next_values[-1, 0].item() == pytest.approx(after_value, **close)
     assert rollout.truncated[2, 1] == 1 and rollout.truncated.sum() == 1
     assert trainer.finished_games == [(1, 0.0, 3)]
     # Observations are stored as the frames the env returned before each step.
     assert [int(rollout.obs[t, 0, 0, 0, 0]) for t in range(6)] == [0, 1, 2, 3, 4, 5]
 
 
-def test_update_follows_the_schedule_and_resumes_on_it():
+def test_update_follows_the_schedule_and_resumes_on_it(breakout_id):
     torch.manual_seed(0)
     config = small_config(learning_rate=1e-3, clip_range=0.2)  # 10 updates in all
     trainer = ppo_atari.Trainer(config, ScriptedEnv(), torch.device("cpu"))
@@ -116,10 +159,10 @@ def test_update_follows_the_schedule_and_resumes_on_it():
     assert stats["learning_rate"] == pytest.approx(1e-3 * (1 - 4 / 10))  # the fifth update, halfway less one
 
     buffer = io.BytesIO()
-    torch.save(trainer.state_dict(), buffer)
+    torch.save(ppo_atari.checkpoint_state(trainer, breakout_id, ppo_atari.Ranks()), buffer)
     buffer.seek(0)
     resumed = ppo_atari.Trainer(config, ScriptedEnv(), torch.device("cpu"))
-    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    ppo_atari.restore_checkpoint(resumed, torch.load(buffer, weights_only=True), "(in memory)", ppo_atari.Ranks())
     assert resumed.update == 5 and resumed.global_step == 5 * config.batch_size
     for name, tensor in trainer.model.state_dict().items():
         torch.testing.assert_close(resumed.model.state_dict()[name], tensor, rtol=0, atol=0)
@@ -151,3 +194,19 @@ def test_target_kl_stops_the_update_early():
     trainer = ppo_atari.Trainer(config, ScriptedEnv(), torch.device("cpu"))
     stats = trainer.update_policy(trainer.collect_rollout())
     assert stats["stopped_early"] == 1.0 and stats["epochs"] < 8
+
+
+def test_the_tuned_trainer_takes_the_update_of_part_one():
+    # Part 3's hardware choices (frames stored channels-last, the network tuned, one thread while
+    # sampling) leave the algorithm as it is: from the same start, the same rollout and update.
+    config = small_config(precision="fp32")
+    trainers = []
+    for kind in (ppo_atari.Trainer, ppo_atari.TunedTrainer):
+        torch.manual_seed(0)
+        trainer = kind(config, ScriptedEnv(truncate_at={1: 3}), torch.device("cpu"))
+        trainers.append((trainer, trainer.update_policy(trainer.collect_rollout())))
+    (plain, ours), (tuned, theirs) = trainers
+    assert tuned.obs.flatten(0, 1).is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(tuned.actions, plain.actions, rtol=0, atol=0)
+    for name in ["loss", "policy_loss", "value_loss", "entropy"]:
+        assert ours[name] == pytest.approx(theirs[name], rel=0, abs=1e-5 * max(1.0, abs(theirs[name]))), name
