@@ -1,6 +1,15 @@
-"""The pieces vpg_continuous.py holds its own copy of behave as ppo_atari.py's do (STYLE.md: self-contained on purpose)."""
+"""The pieces each script holds its own copy of behave alike.
 
+No script imports another, so that each can be copied alone into a fork; where two need the same
+piece (GAE, the schedules, the command line's helpers, the handling of Ctrl-C), each has its own
+copy, and these tests keep the copies from drifting apart."""
+
+import ast
 import dataclasses
+import os
+import signal
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,3 +57,38 @@ def test_the_command_line_is_derived_the_same_way():
     assert {"env", "total_timesteps", "num_envs", "num_steps", "seed", "device", "run_dir", "checkpoint_every",
             "resume", "eval", "eval_episodes", "capture_video"} <= shared
     assert vpg.RUN_OPTIONS - {"eval_deterministic"} == ppo_atari.RUN_OPTIONS - {"precision"}
+
+
+def class_source(script: str, name: str) -> str:
+    """The source text of a top-level class of a script, read without importing the script (importing
+    ppo_jax.py here would start JAX before the other tests fork their workers)."""
+    path = Path(__file__).resolve().parent.parent / script
+    source = path.read_text()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return ast.get_source_segment(source, node)
+    raise AssertionError(f"{script} has no class {name}")
+
+
+def test_the_three_stop_requests_are_one_text():
+    texts = {script: class_source(script, "StopRequest") for script in ["ppo_atari.py", "vpg_continuous.py", "ppo_jax.py"]}
+    assert len(set(texts.values())) == 1, "the StopRequest copies differ"
+
+
+@pytest.mark.parametrize("module", [ppo_atari, vpg], ids=["ppo_atari", "vpg_continuous"])
+def test_a_second_ctrl_c_aborts_in_one_process_and_is_the_same_request_among_ranks(module):
+    # One process: the first Ctrl-C asks for a stop, the second, however soon, aborts.
+    with module.StopRequest(announce=False) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop() and stop.signal == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    # Among several ranks a terminal's Ctrl-C arrives twice at once: within `same_within` it is one.
+    with module.StopRequest(announce=False, same_within=0.5) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop() and stop.signal == signal.SIGTERM
+        time.sleep(0.6)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
