@@ -290,3 +290,27 @@ def test_check_names_a_missing_page_and_a_page_whose_script_is_gone(tmp_path):
     result = run_build(root, "--check")
     assert result.returncode == 1
     assert "docs/extra.html is missing" in result.stderr and "docs/gone.html has no script" in result.stderr
+
+
+PARTS = ["Part 1: The algorithm", "Part 2: Sampling at speed", "Part 3: Running it for real",
+         "Part 4: More than one device"]
+
+
+@pytest.mark.parametrize("script", ["ppo_atari.py", "vpg_continuous.py", "ppo_jax.py"])
+def test_each_page_reads_in_the_four_parts_and_its_contents_nest_under_them(script):
+    # The script's own headings, in order: the four parts at `##`, every section under one at `###`.
+    headings = re.findall(r"^ *# (##+) (.+)$", (ROOT / script).read_text(), re.M)
+    assert [text for level, text in headings if level == "##"] == PARTS
+    assert headings[0] == ("##", PARTS[0]) and {level for level, _ in headings} <= {"##", "###"}
+    # The page's contents list: the parts at the top level, each section nested in its part.
+    page = (ROOT / "docs" / script.replace(".py", ".html")).read_text()
+    nav = page[page.index('<nav class="contents"'):page.index("</nav>")]
+    depth, top, nested = 0, [], 0
+    for tag, text in re.findall(r"<(/?ol)>|<a [^>]*>(.*?)</a>", nav):
+        if tag:
+            depth += 1 if tag == "ol" else -1
+        elif depth == 1:
+            top.append(re.sub(r"<[^>]+>", "", text))
+        else:
+            nested += 1
+    assert top == PARTS and nested == sum(level == "###" for level, _ in headings)
