@@ -124,9 +124,9 @@ class Config:
     | `gamma` | 0.99 | 0.99 | 0.99 | 0.99 | Everyone's |
     | `gae_lambda` | 0.97 | 0.97 | 0.95 | 0.95 | Spinning Up's VPG: longer, less biased estimates for a policy that takes one step per batch |
     | `value_epochs` x `num_minibatches` | 10 x 4 (40 steps on 64 transitions) | 80 steps on the whole batch | 10 epochs, minibatches of 64, shared with the policy | 10 x 32, shared with the policy | Ours, not tuned: enough for the value function to catch up with the policy before the next batch's advantages rest on it |
-    | `vf_coef` | 0.5, on the mean squared error | none (an optimiser of its own) | irrelevant (no shared parameters) | 0.5, on half the squared error | CleanRL's number. Under Adam a constant factor on a loss hardly changes its step, but it weighs the value's gradient in the norm that `max_grad_norm` clips |
+    | `vf_coef` | 0.5, on the mean squared error | none (an optimiser of its own) | irrelevant (no shared parameters) | 0.5, on half the squared error | CleanRL's number. Under Adam a constant factor on a loss hardly changes its step; it decides how soon the value's clip at `max_grad_norm` bites |
     | `ent_coef` | 0 | none | 0 (no entropy bonus) | 0 | Everyone's for these tasks |
-    | `max_grad_norm` | 0.5 | none | none | 0.5 | CleanRL's |
+    | `max_grad_norm` | 0.5, on each network's gradient apart | none | none | 0.5, on the joint gradient of actor and critic | CleanRL's number. Clipped jointly, a value function far off its targets shrinks the policy's step (see `Trainer.gradient_step`) |
     | `normalize_observations` | on, clipped to $\pm 10$ | off | not said | on, clipped to $\pm 10$ | Without it, HalfCheetah-v5 (seed 1) reached 3,014 instead of 3,954 |
     | `normalize_rewards` | on (divided by the return's running spread) | off | not said | on, clipped to $\pm 10$ | Without it, 1,133 instead of 3,954: it mattered more than the observations (see `RewardScaler`) |
     | `state_dependent_std` | off: one learned $\log \sigma$, starting at $\sigma \approx 0.69$ | off, $\log \sigma = -0.5$ at the start | off | off, $\log \sigma = 0$ at the start | Level with a $\sigma(s)$ head in return, and far steadier (see `GaussianPolicy`) |
@@ -168,7 +168,7 @@ class Config:
     vf_coef: float = 0.5
     """Weight of the value loss."""
     max_grad_norm: float = 0.5
-    """Clip the global norm of each gradient to this."""
+    """Clip the norm of each network's gradient to this, the policy's and the value function's each on its own."""
     state_dependent_std: bool = False
     """Compute the policy's standard deviation from the state (a second head) rather than learn one per action."""
     normalize_observations: bool = True
@@ -854,14 +854,23 @@ class Trainer:
         """The gradient of `loss` in the `.grad` of each of `parameters`, all that `loss` depends on."""
         loss.backward()
 
-    def gradient_step(self, loss: torch.Tensor, parameters: list[nn.Parameter], what: str) -> None:
-        """One Adam step on `loss`, its gradient's norm clipped; refuses a NaN or infinite gradient."""
+    def gradient_step(self, loss: torch.Tensor, networks: list[nn.Module], what: str) -> None:
+        """One Adam step on `loss` for the parameters of `networks`, the norm of each network's
+        gradient clipped to `max_grad_norm` on its own; refuses a NaN or infinite gradient.
+
+        Clipping each network apart keeps the two losses apart. A value function far off its
+        targets has a large gradient, and one clip of the joint norm (CleanRL's, whose actor and
+        critic share an optimizer) would shrink the policy's gradient with its own: in
+        `tests/test_vpg_continuous_trainer.py`, a value 300 off its targets shrank the policy's
+        gradient to 1/500 of its norm and its step, after Adam, to 1/8.
+        """
         self.optimizer.zero_grad(set_to_none=True)
-        self.compute_gradients(loss, parameters)
-        grad_norm = nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm)
-        if not torch.isfinite(grad_norm):
-            raise NonFiniteError(f"the loss or its gradient became {grad_norm.item()} at update "
-                                 f"{self.update + 1} ({what}); no step was taken")
+        self.compute_gradients(loss, [parameter for network in networks for parameter in network.parameters()])
+        for network in networks:
+            grad_norm = nn.utils.clip_grad_norm_(network.parameters(), self.config.max_grad_norm)
+            if not torch.isfinite(grad_norm):
+                raise NonFiniteError(f"the loss or its gradient became {grad_norm.item()} at update "
+                                     f"{self.update + 1} ({what}); no step was taken")
         self.optimizer.step()
 
     def update_policy(self, rollout: Rollout) -> dict[str, float]:
@@ -880,13 +889,13 @@ class Trainer:
         advantages, returns = self.normalize_advantages(advantages.flatten()), returns.flatten()
 
         # The policy-gradient step: one, on the whole batch. The value term of the loss reaches only
-        # the value network's parameters (the networks share none): it is the first step of the
-        # value function's fit, which the minibatch passes below finish.
+        # the value network's parameters (the networks share none), and each network's gradient is
+        # clipped on its own, so the value's error cannot shrink the policy's step: the value term
+        # is the first step of the value function's fit, which the minibatch passes below finish.
         mean, std = self.policy(obs)
         log_probs = gaussian_log_prob(mean, std, actions)
         terms = vpg_loss(log_probs, old_log_probs, advantages, self.value(obs), returns, gaussian_entropy(std), config)
-        self.gradient_step(terms["loss"], list(self.policy.parameters()) + list(self.value.parameters()),
-                           "the policy-gradient step")
+        self.gradient_step(terms["loss"], [self.policy, self.value], "the policy-gradient step")
         with torch.no_grad():
             # How far the step moved the policy on this batch: $\mathrm{KL}(\pi_\text{old} \| \pi_\theta)$
             # estimated with $\mathbb E[(r - 1) - \log r]$, where $r = \pi_\theta / \pi_\text{old}$.
@@ -894,13 +903,12 @@ class Trainer:
             approx_kl = ((log_ratio.exp() - 1.0) - log_ratio).mean()
 
         # Fitting the value function: regression to the returns, in shuffled minibatches.
-        value_parameters = list(self.value.parameters())
         for epoch in range(config.value_epochs):
             order = torch.randperm(config.batch_size, device=self.device)
             for start in range(0, config.batch_size, config.minibatch_size):
                 batch = order[start:start + config.minibatch_size]
                 value_loss = (self.value(obs[batch]) - returns[batch]).pow(2).mean()
-                self.gradient_step(config.vf_coef * value_loss, value_parameters, f"value fitting, pass {epoch + 1}")
+                self.gradient_step(config.vf_coef * value_loss, [self.value], f"value fitting, pass {epoch + 1}")
         self.update += 1
         # What the update measured: every term of the loss (whatever fields its result has), how far
         # the step moved the policy, and how much of the returns' variance the values explained.
