@@ -128,7 +128,7 @@ class Config:
     | `ent_coef` | 0 | none | 0 (no entropy bonus) | 0 | Everyone's for these tasks |
     | `max_grad_norm` | 0.5, on each network's gradient apart | none | none | 0.5, on the joint gradient of actor and critic | CleanRL's number. Clipped jointly, a value function far off its targets shrinks the policy's step (see `Trainer.gradient_step`) |
     | `normalize_observations` | on, clipped to $\pm 10$ | off | not said | on, clipped to $\pm 10$ | Without it, HalfCheetah-v5 (seed 1) reached 3,014 instead of 3,954 |
-    | `normalize_rewards` | on (divided by the return's running spread) | off | not said | on, clipped to $\pm 10$ | Without it, 1,133 instead of 3,954: it mattered more than the observations (see `RewardScaler`) |
+    | `normalize_rewards` | on (divided by the return's running spread), clipped to $\pm 10$ | off | not said | on, clipped to $\pm 10$ | Without it, 1,133 instead of 3,954: it mattered more than the observations (see `RewardScaler`) |
     | `state_dependent_std` | off: one learned $\log \sigma$, starting at $\sigma \approx 0.69$ | off, $\log \sigma = -0.5$ at the start | off | off, $\log \sigma = 0$ at the start | Level with a $\sigma(s)$ head in return, and far steadier (see `GaussianPolicy`) |
     | `total_timesteps` | 1M | 200k (50 epochs of 4,000) | 1M | 1M | The usual budget for these tasks |
 
@@ -174,7 +174,7 @@ class Config:
     normalize_observations: bool = True
     """Standardise observations with their running mean and variance, then clip them to +-10."""
     normalize_rewards: bool = True
-    """Divide rewards by the running standard deviation of the discounted return."""
+    """Divide rewards by the running standard deviation of the discounted return, then clip them to +-10."""
     seed: int = 1
     """Seeds torch and every env (each env gets its own seed derived from this)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -341,12 +341,15 @@ class RunningMeanStd:
     merges in the statistics of one batch, which at each step holds an observation from every env
     of every worker. The variance is that of the whole population seen (numpy's `var` with
     `ddof=0`), computed in float64.
+
+    They start from nothing (a count of 0: the first merge replaces the mean and variance), or with
+    `prior_count` > 0 as if that many samples of mean 0 and variance 1 had been seen already.
     """
 
-    def __init__(self, shape: tuple[int, ...] = ()):
+    def __init__(self, shape: tuple[int, ...] = (), prior_count: int = 0):
         self.mean = np.zeros(shape, np.float64)
         self.var = np.ones(shape, np.float64)
-        self.count = 0
+        self.count = prior_count
 
     @classmethod
     def of(cls, batch: np.ndarray) -> RunningMeanStd:
@@ -383,6 +386,11 @@ class ObservationNormalizer:
 
     The clip keeps one freak observation (a robot flung at great speed) from producing an input far
     outside anything the network was trained on. With `enabled=False` observations pass unchanged.
+
+    The statistics start from nothing, and need no prior (unlike `RewardScaler`'s): each
+    observation is folded in before it is normalised, and a sample lies within $\sqrt{n - 1}$
+    standard deviations of the mean of $n$ that include it, so the first observation of one env
+    comes out 0, and the next ones $\pm 1$ or so.
     """
 
     def __init__(self, obs_dim: int, enabled: bool = True, clip: float = 10.0):
@@ -409,12 +417,25 @@ class ObservationNormalizer:
 
 
 class RewardScaler:
-    r"""Rewards divided by the running standard deviation of the discounted return.
+    r"""Rewards divided by the running standard deviation of the discounted return, then clipped to $\pm 10$.
 
-    Each env keeps $G_t = \gamma G_{t-1} + r_t$, restarted at every episode's end, and the reward is
-    divided by $\sqrt{\mathrm{Var}[G] + 10^{-8}}$ over all $G_t$ seen so far. Dividing (not
-    centring) keeps the sign of every reward, so the task stays the same task; only the value
-    function's targets change scale. The episodic returns we log are the env's own, unscaled.
+    Each env keeps $G_t = \gamma G_{t-1} + r_t$, restarted at every episode's end, and the reward
+    becomes $\mathrm{clip}(r_t / \sqrt{\mathrm{Var}[G] + 10^{-8}}, -10, 10)$, the variance over all
+    $G_t$ seen so far. Dividing (not centring) keeps the sign of every reward, so the task stays
+    the same task; only the value function's targets change scale. The clip, as in baselines'
+    `VecNormalize` and CleanRL's `ppo_continuous_action`, keeps one freak reward from becoming a
+    target far out of the value function's reach. The episodic returns we log are the env's own,
+    unscaled.
+
+    **The start.** The statistics start as if one return of mean 0 and variance 1 had been seen
+    (`prior_count=1`). From no returns at all, the first step's variance would be that of the
+    first returns alone: with one env (one per rank under torchrun, say) it is 0, and the first
+    reward was multiplied by $1/\sqrt{10^{-8}} = 10^4$. With the prior, one env's first reward $r$
+    is divided by $\sqrt{1/2 + r^2/4}$, which keeps it within $\pm 2$, and the prior weighs no more
+    than one return among the hundreds that follow. baselines and gymnasium (whose
+    `NormalizeReward` CleanRL uses, one per env) also start at mean 0 and variance 1, but with a
+    count of $10^{-4}$: one env's first $r$ is then divided by about $0.01\sqrt{1 + r^2}$ (70 times
+    $r = 1$) and only their clip at 10 holds it.
 
     On HalfCheetah it mattered more than observation normalisation (the table under `Config`): a
     cheetah that runs earns several points a step, so discounted returns reach the hundreds, and a
@@ -422,16 +443,18 @@ class RewardScaler:
     behind such targets, leaving the advantages to its errors.
     """
 
-    def __init__(self, num_envs: int, gamma: float):
+    def __init__(self, num_envs: int, gamma: float, clip: float = 10.0):
         self.gamma = gamma
         self.returns = np.zeros(num_envs, np.float64)
-        self.stats = RunningMeanStd()
+        self.stats = RunningMeanStd(prior_count=1)
+        self.clip = clip
 
     def __call__(self, rewards: np.ndarray, done: np.ndarray) -> np.ndarray:
         self.returns = self.returns * self.gamma + rewards
         self.stats.update(self.returns)
         self.returns[done] = 0.0
-        return (rewards / np.sqrt(self.stats.var + 1e-8)).astype(np.float32)
+        scaled = rewards / np.sqrt(self.stats.var + 1e-8)
+        return np.clip(scaled, -self.clip, self.clip).astype(np.float32)
 
 
 # ### The model
@@ -2062,6 +2085,14 @@ class SharedRunningMeanStd(RunningMeanStd):
         self.agreed = RunningMeanStd(shape)
         self.fresh = RunningMeanStd(shape)
 
+    @classmethod
+    def starting_from(cls, stats: RunningMeanStd) -> SharedRunningMeanStd:
+        """Shared statistics that start where `stats` stand, a prior included. Every rank starts
+        from the same ones, and only what is seen afterwards is pooled, so the prior counts once."""
+        shared = cls(np.shape(stats.mean))
+        shared.load_state_dict(stats.state_dict())
+        return shared
+
     def update(self, batch: np.ndarray) -> None:
         batch_stats = RunningMeanStd.of(batch)
         self.merge(batch_stats)
@@ -2105,10 +2136,10 @@ class DataParallelTrainer(Trainer):
         ranks.broadcast_parameters(self.policy, self.value)
         # Each rank sees only its own envs; after every rollout they pool the statistics of what
         # they saw, so that all of them normalise alike.
-        self.obs_normalizer.stats = SharedRunningMeanStd((envs.spaces.obs_dim,))
+        self.obs_normalizer.stats = SharedRunningMeanStd.starting_from(self.obs_normalizer.stats)
         self.shared_statistics = [self.obs_normalizer.stats]
         if self.reward_scaler is not None:
-            self.reward_scaler.stats = SharedRunningMeanStd()
+            self.reward_scaler.stats = SharedRunningMeanStd.starting_from(self.reward_scaler.stats)
             self.shared_statistics.append(self.reward_scaler.stats)
 
     @property
