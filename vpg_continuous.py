@@ -39,6 +39,15 @@ seed 1 (one seed is a rough guide, as the three above show), were small batches,
 per batch means the batch size decides how many times the policy moves, and then reward scaling:
 the table under `Config` has the numbers beside each default and where it comes from.
 
+**These returns are older than the code.** They, and those of the table under `Config`, were
+measured on an earlier version of this file, and seed 1 no longer repeats them. Just before each
+network's gradient got a clip of its own and the reward scaler its prior and clip (see
+`Trainer.gradient_step` and `RewardScaler`), seed 1 reached 2,837 after 1M steps (the table: 3,954)
+and 1,078 in a run of 300k steps (the table: 2,950); with those changes it reaches 1,814 and 375.
+Runs of 300k steps on seeds 1, 2 and 3 reached 1,078, 1,476 and 937 before the changes and 375,
+2,315 and 1,264 after them. `python benchmarks/vpg_halfcheetah.py --seeds 1 2 3` measures the
+numbers above again.
+
 Papers: REINFORCE (Williams, 1992, Machine Learning 8); the policy gradient theorem (Sutton et al.,
 2000, NIPS 12); GAE (Schulman et al., 2016, arXiv:1506.02438); time limits as truncation (Pardo et
 al., 2018, arXiv:1712.00378); the on-policy design choices studied by Andrychowicz et al. (2021,
