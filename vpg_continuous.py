@@ -39,6 +39,15 @@ seed 1 (one seed is a rough guide, as the three above show), were small batches,
 per batch means the batch size decides how many times the policy moves, and then reward scaling:
 the table under `Config` has the numbers beside each default and where it comes from.
 
+**These returns are older than the code.** They, and those of the table under `Config`, were
+measured on an earlier version of this file, and seed 1 no longer repeats them. Just before each
+network's gradient got a clip of its own and the reward scaler its prior and clip (see
+`Trainer.gradient_step` and `RewardScaler`), seed 1 reached 2,837 after 1M steps (the table: 3,954)
+and 1,078 in a run of 300k steps (the table: 2,950); with those changes it reaches 1,814 and 375.
+Runs of 300k steps on seeds 1, 2 and 3 reached 1,078, 1,476 and 937 before the changes and 375,
+2,315 and 1,264 after them. `python benchmarks/vpg_halfcheetah.py --seeds 1 2 3` measures the
+numbers above again.
+
 Papers: REINFORCE (Williams, 1992, Machine Learning 8); the policy gradient theorem (Sutton et al.,
 2000, NIPS 12); GAE (Schulman et al., 2016, arXiv:1506.02438); time limits as truncation (Pardo et
 al., 2018, arXiv:1712.00378); the on-policy design choices studied by Andrychowicz et al. (2021,
@@ -124,11 +133,11 @@ class Config:
     | `gamma` | 0.99 | 0.99 | 0.99 | 0.99 | Everyone's |
     | `gae_lambda` | 0.97 | 0.97 | 0.95 | 0.95 | Spinning Up's VPG: longer, less biased estimates for a policy that takes one step per batch |
     | `value_epochs` x `num_minibatches` | 10 x 4 (40 steps on 64 transitions) | 80 steps on the whole batch | 10 epochs, minibatches of 64, shared with the policy | 10 x 32, shared with the policy | Ours, not tuned: enough for the value function to catch up with the policy before the next batch's advantages rest on it |
-    | `vf_coef` | 0.5, on the mean squared error | none (an optimiser of its own) | irrelevant (no shared parameters) | 0.5, on half the squared error | CleanRL's number. Under Adam a constant factor on a loss hardly changes its step, but it weighs the value's gradient in the norm that `max_grad_norm` clips |
+    | `vf_coef` | 0.5, on the mean squared error | none (an optimiser of its own) | irrelevant (no shared parameters) | 0.5, on half the squared error | CleanRL's number. Under Adam a constant factor on a loss hardly changes its step; it decides how soon the value's clip at `max_grad_norm` bites |
     | `ent_coef` | 0 | none | 0 (no entropy bonus) | 0 | Everyone's for these tasks |
-    | `max_grad_norm` | 0.5 | none | none | 0.5 | CleanRL's |
+    | `max_grad_norm` | 0.5, on each network's gradient apart | none | none | 0.5, on the joint gradient of actor and critic | CleanRL's number. Clipped jointly, a value function far off its targets shrinks the policy's step (see `Trainer.gradient_step`). Not free: HalfCheetah-v5 after 300k steps, seeds 1 to 3, reached 637, 647 and 558 with this clip alone, against 1,078, 1,476 and 937 with the joint one; with the reward scaler's prior and clip as well, 375, 2,315 and 1,264 |
     | `normalize_observations` | on, clipped to $\pm 10$ | off | not said | on, clipped to $\pm 10$ | Without it, HalfCheetah-v5 (seed 1) reached 3,014 instead of 3,954 |
-    | `normalize_rewards` | on (divided by the return's running spread) | off | not said | on, clipped to $\pm 10$ | Without it, 1,133 instead of 3,954: it mattered more than the observations (see `RewardScaler`) |
+    | `normalize_rewards` | on (divided by the return's running spread), clipped to $\pm 10$ | off | not said | on, clipped to $\pm 10$ | Without it, 1,133 instead of 3,954: it mattered more than the observations (see `RewardScaler`). Its prior and clip alone, after 300k steps on seeds 1 to 3: 2,889, 1,591 and 1,061, against 1,078, 1,476 and 937 without them |
     | `state_dependent_std` | off: one learned $\log \sigma$, starting at $\sigma \approx 0.69$ | off, $\log \sigma = -0.5$ at the start | off | off, $\log \sigma = 0$ at the start | Level with a $\sigma(s)$ head in return, and far steadier (see `GaussianPolicy`) |
     | `total_timesteps` | 1M | 200k (50 epochs of 4,000) | 1M | 1M | The usual budget for these tasks |
 
@@ -168,13 +177,13 @@ class Config:
     vf_coef: float = 0.5
     """Weight of the value loss."""
     max_grad_norm: float = 0.5
-    """Clip the global norm of each gradient to this."""
+    """Clip the norm of each network's gradient to this, the policy's and the value function's each on its own."""
     state_dependent_std: bool = False
     """Compute the policy's standard deviation from the state (a second head) rather than learn one per action."""
     normalize_observations: bool = True
     """Standardise observations with their running mean and variance, then clip them to +-10."""
     normalize_rewards: bool = True
-    """Divide rewards by the running standard deviation of the discounted return."""
+    """Divide rewards by the running standard deviation of the discounted return, then clip them to +-10."""
     seed: int = 1
     """Seeds torch and every env (each env gets its own seed derived from this)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -341,12 +350,15 @@ class RunningMeanStd:
     merges in the statistics of one batch, which at each step holds an observation from every env
     of every worker. The variance is that of the whole population seen (numpy's `var` with
     `ddof=0`), computed in float64.
+
+    They start from nothing (a count of 0: the first merge replaces the mean and variance), or with
+    `prior_count` > 0 as if that many samples of mean 0 and variance 1 had been seen already.
     """
 
-    def __init__(self, shape: tuple[int, ...] = ()):
+    def __init__(self, shape: tuple[int, ...] = (), prior_count: int = 0):
         self.mean = np.zeros(shape, np.float64)
         self.var = np.ones(shape, np.float64)
-        self.count = 0
+        self.count = prior_count
 
     @classmethod
     def of(cls, batch: np.ndarray) -> RunningMeanStd:
@@ -383,6 +395,11 @@ class ObservationNormalizer:
 
     The clip keeps one freak observation (a robot flung at great speed) from producing an input far
     outside anything the network was trained on. With `enabled=False` observations pass unchanged.
+
+    The statistics start from nothing, and need no prior (unlike `RewardScaler`'s): each
+    observation is folded in before it is normalised, and a sample lies within $\sqrt{n - 1}$
+    standard deviations of the mean of $n$ that include it: the first observation of one env comes
+    out 0, the second $\pm 1$.
     """
 
     def __init__(self, obs_dim: int, enabled: bool = True, clip: float = 10.0):
@@ -409,12 +426,25 @@ class ObservationNormalizer:
 
 
 class RewardScaler:
-    r"""Rewards divided by the running standard deviation of the discounted return.
+    r"""Rewards divided by the running standard deviation of the discounted return, then clipped to $\pm 10$.
 
-    Each env keeps $G_t = \gamma G_{t-1} + r_t$, restarted at every episode's end, and the reward is
-    divided by $\sqrt{\mathrm{Var}[G] + 10^{-8}}$ over all $G_t$ seen so far. Dividing (not
-    centring) keeps the sign of every reward, so the task stays the same task; only the value
-    function's targets change scale. The episodic returns we log are the env's own, unscaled.
+    Each env keeps $G_t = \gamma G_{t-1} + r_t$, restarted at every episode's end, and the reward
+    becomes $\mathrm{clip}(r_t / \sqrt{\mathrm{Var}[G] + 10^{-8}}, -10, 10)$, the variance over all
+    $G_t$ seen so far. Dividing (not centring) keeps the sign of every reward, so the task stays
+    the same task; only the value function's targets change scale. The clip, as in baselines'
+    `VecNormalize` and CleanRL's `ppo_continuous_action`, keeps one freak reward from becoming a
+    target far out of the value function's reach. The episodic returns we log are the env's own,
+    unscaled.
+
+    **The start.** The statistics start as if one return of mean 0 and variance 1 had been seen
+    (`prior_count=1`). From no returns at all, the first step's variance would be that of the
+    first returns alone: with one env (one per rank under torchrun, say) it is 0, and the first
+    reward was multiplied by $1/\sqrt{10^{-8}} = 10^4$. With the prior, one env's first reward $r$
+    is divided by $\sqrt{1/2 + r^2/4}$, which keeps it within $\pm 2$, and the prior weighs as one
+    return among all those that follow. baselines and gymnasium (whose `NormalizeReward` CleanRL
+    uses, one per env) also start at mean 0 and variance 1, but with a count of $10^{-4}$: one env's
+    first $r$ is then divided by about $0.01\sqrt{1 + r^2}$ (multiplied by 70 for $r = 1$), and only
+    their clip at 10 holds it.
 
     On HalfCheetah it mattered more than observation normalisation (the table under `Config`): a
     cheetah that runs earns several points a step, so discounted returns reach the hundreds, and a
@@ -422,16 +452,18 @@ class RewardScaler:
     behind such targets, leaving the advantages to its errors.
     """
 
-    def __init__(self, num_envs: int, gamma: float):
+    def __init__(self, num_envs: int, gamma: float, clip: float = 10.0):
         self.gamma = gamma
         self.returns = np.zeros(num_envs, np.float64)
-        self.stats = RunningMeanStd()
+        self.stats = RunningMeanStd(prior_count=1)
+        self.clip = clip
 
     def __call__(self, rewards: np.ndarray, done: np.ndarray) -> np.ndarray:
         self.returns = self.returns * self.gamma + rewards
         self.stats.update(self.returns)
         self.returns[done] = 0.0
-        return (rewards / np.sqrt(self.stats.var + 1e-8)).astype(np.float32)
+        scaled = rewards / np.sqrt(self.stats.var + 1e-8)
+        return np.clip(scaled, -self.clip, self.clip).astype(np.float32)
 
 
 # ### The model
@@ -854,14 +886,26 @@ class Trainer:
         """The gradient of `loss` in the `.grad` of each of `parameters`, all that `loss` depends on."""
         loss.backward()
 
-    def gradient_step(self, loss: torch.Tensor, parameters: list[nn.Parameter], what: str) -> None:
-        """One Adam step on `loss`, its gradient's norm clipped; refuses a NaN or infinite gradient."""
+    def gradient_step(self, loss: torch.Tensor, networks: list[nn.Module], what: str) -> None:
+        """One Adam step on `loss` for the parameters of `networks`, the norm of each network's
+        gradient clipped to `max_grad_norm` on its own; refuses a NaN or infinite gradient.
+
+        Clipping each network apart keeps the two losses apart. A value function far off its
+        targets has a large gradient, and one clip of the joint norm (CleanRL's, whose actor and
+        critic share an optimizer) would shrink the policy's gradient with its own: in
+        `tests/test_vpg_continuous_trainer.py`, a value 300 off its targets shrank the policy's
+        gradient to 1/500 of its norm and its step, after Adam, to 1/8. In the first updates on
+        HalfCheetah-v5 the policy's gradient has a norm of about 1.2 and the value's about 0.4
+        (1.9 at the first update): the joint clip scaled the policy's gradient by 0.22 at the first
+        update and by about 0.4 after it, where its own clip scales it by 0.4 throughout.
+        """
         self.optimizer.zero_grad(set_to_none=True)
-        self.compute_gradients(loss, parameters)
-        grad_norm = nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm)
-        if not torch.isfinite(grad_norm):
-            raise NonFiniteError(f"the loss or its gradient became {grad_norm.item()} at update "
-                                 f"{self.update + 1} ({what}); no step was taken")
+        self.compute_gradients(loss, [parameter for network in networks for parameter in network.parameters()])
+        for network in networks:
+            grad_norm = nn.utils.clip_grad_norm_(network.parameters(), self.config.max_grad_norm)
+            if not torch.isfinite(grad_norm):
+                raise NonFiniteError(f"the loss or its gradient became {grad_norm.item()} at update "
+                                     f"{self.update + 1} ({what}); no step was taken")
         self.optimizer.step()
 
     def update_policy(self, rollout: Rollout) -> dict[str, float]:
@@ -880,13 +924,13 @@ class Trainer:
         advantages, returns = self.normalize_advantages(advantages.flatten()), returns.flatten()
 
         # The policy-gradient step: one, on the whole batch. The value term of the loss reaches only
-        # the value network's parameters (the networks share none): it is the first step of the
-        # value function's fit, which the minibatch passes below finish.
+        # the value network's parameters (the networks share none), and each network's gradient is
+        # clipped on its own, so the value's error cannot shrink the policy's step: the value term
+        # is the first step of the value function's fit, which the minibatch passes below finish.
         mean, std = self.policy(obs)
         log_probs = gaussian_log_prob(mean, std, actions)
         terms = vpg_loss(log_probs, old_log_probs, advantages, self.value(obs), returns, gaussian_entropy(std), config)
-        self.gradient_step(terms["loss"], list(self.policy.parameters()) + list(self.value.parameters()),
-                           "the policy-gradient step")
+        self.gradient_step(terms["loss"], [self.policy, self.value], "the policy-gradient step")
         with torch.no_grad():
             # How far the step moved the policy on this batch: $\mathrm{KL}(\pi_\text{old} \| \pi_\theta)$
             # estimated with $\mathbb E[(r - 1) - \log r]$, where $r = \pi_\theta / \pi_\text{old}$.
@@ -894,13 +938,12 @@ class Trainer:
             approx_kl = ((log_ratio.exp() - 1.0) - log_ratio).mean()
 
         # Fitting the value function: regression to the returns, in shuffled minibatches.
-        value_parameters = list(self.value.parameters())
         for epoch in range(config.value_epochs):
             order = torch.randperm(config.batch_size, device=self.device)
             for start in range(0, config.batch_size, config.minibatch_size):
                 batch = order[start:start + config.minibatch_size]
                 value_loss = (self.value(obs[batch]) - returns[batch]).pow(2).mean()
-                self.gradient_step(config.vf_coef * value_loss, value_parameters, f"value fitting, pass {epoch + 1}")
+                self.gradient_step(config.vf_coef * value_loss, [self.value], f"value fitting, pass {epoch + 1}")
         self.update += 1
         # What the update measured: every term of the loss (whatever fields its result has), how far
         # the step moved the policy, and how much of the returns' variance the values explained.
@@ -2054,6 +2097,14 @@ class SharedRunningMeanStd(RunningMeanStd):
         self.agreed = RunningMeanStd(shape)
         self.fresh = RunningMeanStd(shape)
 
+    @classmethod
+    def starting_from(cls, stats: RunningMeanStd) -> SharedRunningMeanStd:
+        """Shared statistics that start where `stats` stand, a prior included. Every rank starts
+        from the same ones, and only what is seen afterwards is pooled, so the prior counts once."""
+        shared = cls(np.shape(stats.mean))
+        shared.load_state_dict(stats.state_dict())
+        return shared
+
     def update(self, batch: np.ndarray) -> None:
         batch_stats = RunningMeanStd.of(batch)
         self.merge(batch_stats)
@@ -2097,10 +2148,10 @@ class DataParallelTrainer(Trainer):
         ranks.broadcast_parameters(self.policy, self.value)
         # Each rank sees only its own envs; after every rollout they pool the statistics of what
         # they saw, so that all of them normalise alike.
-        self.obs_normalizer.stats = SharedRunningMeanStd((envs.spaces.obs_dim,))
+        self.obs_normalizer.stats = SharedRunningMeanStd.starting_from(self.obs_normalizer.stats)
         self.shared_statistics = [self.obs_normalizer.stats]
         if self.reward_scaler is not None:
-            self.reward_scaler.stats = SharedRunningMeanStd()
+            self.reward_scaler.stats = SharedRunningMeanStd.starting_from(self.reward_scaler.stats)
             self.shared_statistics.append(self.reward_scaler.stats)
 
     @property

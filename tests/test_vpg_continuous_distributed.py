@@ -19,6 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import vpg_continuous as vpg
 from conftest import ROOT
 from processes import free_port, living, process_tree
+from vpg_continuous_helpers import statistics_with_the_prior
 
 SCRIPT = str(ROOT / "vpg_continuous.py")
 
@@ -224,10 +225,33 @@ def test_the_pooled_statistics_are_those_of_both_streams(two_ranks):
             returns.append(running.copy())
             running[done] = 0.0
     returns = np.concatenate(returns)
+    # With the scaler's prior, one return of mean 0 and variance 1, counted once for both ranks.
+    mean, var = statistics_with_the_prior(returns)
     scaler = rank0["statistics"]["rewards"]
-    assert scaler["count"] == len(returns)
-    assert scaler["mean"].item() == pytest.approx(returns.mean(), rel=1e-10)
-    assert scaler["var"].item() == pytest.approx(returns.var(), rel=1e-10)
+    assert scaler["count"] == 1 + len(returns)
+    assert scaler["mean"].item() == pytest.approx(mean, rel=1e-10)
+    assert scaler["var"].item() == pytest.approx(var, rel=1e-10)
+
+
+def test_a_prior_counts_once_however_many_ranks_pool_it():
+    # Three ranks' reward statistics, each starting from the scaler's prior, pooled as
+    # `Ranks.share_statistics` pools them after each of two rollouts: every rank must end with the
+    # statistics of all returns and the prior, counted once rather than once per rank.
+    rng = np.random.default_rng(0)
+    ranks = [vpg.SharedRunningMeanStd.starting_from(vpg.RewardScaler(2, 0.99).stats) for _ in range(3)]
+    seen = []
+    for _ in range(2):
+        for stats in ranks:
+            for _ in range(5):
+                seen.append(rng.normal(3.0, 2.0, size=2))
+                stats.update(seen[-1])
+        vectors = [stats.fresh_vector() for stats in ranks]
+        for stats in ranks:
+            stats.agree(vectors)
+    mean, var = statistics_with_the_prior(np.concatenate(seen))
+    for stats in ranks:
+        assert stats.count == 1 + 3 * 2 * 5 * 2
+        assert stats.mean == pytest.approx(mean, rel=1e-12) and stats.var == pytest.approx(var, rel=1e-12)
 
 
 def run_failing_rank(rank: int, port: int, out: str, dies_in: str) -> None:
@@ -296,7 +320,7 @@ def test_torchrun_trains_on_two_ranks_and_resumes(tmp_path):
     assert checkpoint["ranks"] == 2 and checkpoint["update"] == 4 and checkpoint["global_step"] == 1024
     assert len(checkpoint["torch_rng"]) == 2 and not torch.equal(*checkpoint["torch_rng"])
     # The statistics of both ranks: 2 x 2 first observations and one per step; 1,024 returns.
-    assert checkpoint["obs_normalizer"]["count"] == 4 + 1024 and checkpoint["reward_scaler"]["count"] == 1024
+    assert checkpoint["obs_normalizer"]["count"] == 4 + 1024 and checkpoint["reward_scaler"]["count"] == 1 + 1024
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # rank 0 alone writes
     assert output.count("training on cpu, 2 envs in 1 workers on each of 2 ranks") == 1
     events = EventAccumulator(str(run_dir))

@@ -38,7 +38,7 @@ def train_inverted_pendulum(advantage_sign: float, monkeypatch) -> tuple[float, 
 
 def test_learns_to_balance_the_pole(monkeypatch):
     first, last = train_inverted_pendulum(+1.0, monkeypatch)
-    assert first < 10 and last >= 200  # measured: about 7.6, then 387 to 500 over seeds 0 to 2
+    assert first < 10 and last >= 200  # measured: about 7.6, then 461 to 516 over seeds 0 to 2
 
 
 def test_does_not_learn_with_the_advantage_sign_flipped(monkeypatch):

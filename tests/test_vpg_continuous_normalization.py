@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import vpg_continuous as vpg
-from vpg_continuous_helpers import ScriptedEnvs, pendulum_checkpoint, saved_and_loaded
+from vpg_continuous_helpers import ScriptedEnvs, pendulum_checkpoint, saved_and_loaded, statistics_with_the_prior
 
 
 def drifting_stream(seed: int, batches: int, width: int = 5):
@@ -91,8 +91,45 @@ def test_rewards_are_divided_by_the_spread_of_the_discounted_return():
     returns_so_far = [[1.0, 2.0], [1.0, 2.0, 3.5, 0.0], [1.0, 2.0, 3.5, 0.0, 0.0, 4.0]]
     for step in range(3):
         scaled = scaler(rewards[step], done[step])
-        expected = rewards[step] / np.sqrt(np.var(returns_so_far[step]) + 1e-8)
+        expected = rewards[step] / np.sqrt(statistics_with_the_prior(returns_so_far[step])[1] + 1e-8)
         np.testing.assert_allclose(scaled, expected, rtol=1e-6)
+    assert scaler.stats.count == 1 + 6
+
+
+@pytest.mark.parametrize("reward", [1.0, -0.3, 7.0, 1e6])
+def test_the_first_reward_of_one_env_is_not_blown_up(reward):
+    # One env's first return alone has variance 0: without the prior its reward would be divided
+    # by sqrt(1e-8), multiplied by 10,000. With it, by sqrt(1/2 + r^2 / 4): within +-2 for any r.
+    scaler = vpg.RewardScaler(num_envs=1, gamma=0.99)
+    scaled = scaler(np.array([reward]), np.array([False]))
+    np.testing.assert_allclose(scaled, [reward / np.sqrt(0.5 + reward ** 2 / 4)], rtol=1e-6)
+    assert abs(scaled[0]) <= 2
+
+
+def test_the_trainer_with_one_env_scales_its_first_rewards_by_the_spread_of_the_returns():
+    # The scripted env pays 1 a step: the returns grow 1, 1.99, 2.97, ..., and each scaled reward is
+    # 1 over their spread so far, with the prior: 1.15 at the first step (10,000 without the prior).
+    trainer = vpg.Trainer(vpg.Config(num_envs=1, num_steps=8, total_timesteps=8), ScriptedEnvs(num_envs=1),
+                          torch.device("cpu"))
+    rewards = trainer.collect_rollout().rewards[:, 0].numpy()
+    returns = np.array([sum(0.99 ** k for k in range(t + 1)) for t in range(8)])
+    expected = [1 / np.sqrt(statistics_with_the_prior(returns[:t + 1])[1] + 1e-8) for t in range(8)]
+    np.testing.assert_allclose(rewards, expected, rtol=1e-6)
+    assert rewards[0] == pytest.approx(1 / np.sqrt(0.75), rel=1e-6)
+
+
+def test_a_freak_reward_is_clipped_to_ten():
+    # After 500 steps of rewards of spread 1 in 4 envs, the returns' standard deviation is about 7.
+    # Rewards of +-1e5 in two envs then move it to about 3,000, which leaves them at about +-30
+    # before the clip: they come out at +-10, while the others are scaled as before.
+    rng = np.random.default_rng(0)
+    scaler = vpg.RewardScaler(num_envs=4, gamma=0.99)
+    for _ in range(500):
+        scaler(rng.normal(size=4), np.zeros(4, bool))
+    rewards = np.array([1e5, -1e5, 0.5, -0.5])
+    scaled = scaler(rewards, np.zeros(4, bool))
+    assert scaled[0] == 10.0 and scaled[1] == -10.0
+    np.testing.assert_allclose(scaled[2:], rewards[2:] / np.sqrt(scaler.stats.var + 1e-8), rtol=1e-6)
 
 
 def test_the_statistics_survive_a_checkpoint_round_trip():

@@ -123,6 +123,31 @@ def test_an_update_takes_one_policy_step_and_fits_the_value_in_minibatches():
     assert adam_steps(trainer.optimizer, trainer.policy.parameters()) == {2}
 
 
+def test_a_large_value_error_leaves_the_policy_step_unchanged():
+    # The same trainer and rollout twice, once with the value network's output shifted by 300 after
+    # the rollout, so that the advantages (from the rollout's values) are the same and only the
+    # value loss of the policy-gradient step grows. Each network's gradient is clipped on its own,
+    # so the policy must take the same step. (Measured under one clip of the joint norm: the
+    # policy's gradient shrank to 1/500 of its norm, and its step, after Adam, to 1/8.)
+    policies, value_losses, value_gradients = [], [], []
+    for shift in [0.0, 300.0]:
+        torch.manual_seed(0)
+        trainer = vpg.Trainer(small_config(normalize_rewards=False), ScriptedEnvs(), torch.device("cpu"))
+        rollout = trainer.collect_rollout()
+        with torch.no_grad():
+            trainer.value.head.bias += shift
+        norms = []
+        trainer.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: norms.append(
+            torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in trainer.value.parameters()]))))
+        value_losses.append(trainer.update_policy(rollout)["value_loss"])
+        value_gradients.append(norms[0])
+        policies.append(trainer.policy.state_dict())
+    assert value_losses[1] > 1000 * value_losses[0]
+    for name, tensor in policies[0].items():
+        torch.testing.assert_close(policies[1][name], tensor, rtol=1e-6, atol=1e-7)
+    assert value_gradients[1] == pytest.approx(vpg.Config.max_grad_norm)  # the value's own clip
+
+
 def test_update_follows_the_schedule_and_resumes_on_it():
     torch.manual_seed(0)
     config = small_config(learning_rate=1e-3, value_learning_rate=2e-3)  # 10 updates in all

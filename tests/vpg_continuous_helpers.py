@@ -100,3 +100,12 @@ def pendulum_checkpoint() -> dict:
     trainer.update_policy(trainer.collect_rollout())
     envs.close()
     return saved_and_loaded(vpg.checkpoint_state(trainer, "Pendulum-v1"))
+
+
+def statistics_with_the_prior(returns) -> tuple[float, float]:
+    """The mean and variance of `returns` and the reward scaler's prior, one return of mean 0 and
+    variance 1: as if the returns 1 and -1 had each been seen half a time."""
+    values = np.concatenate([[1.0, -1.0], returns])
+    weights = np.concatenate([[0.5, 0.5], np.ones(len(returns))])
+    mean = np.average(values, weights=weights)
+    return mean, np.average((values - mean) ** 2, weights=weights)
