@@ -17,26 +17,12 @@ import torch
 import vpg_continuous as vpg
 from conftest import ROOT
 from processes import alive, process_tree
+from test_vpg_continuous_cli import one_line_error, run_main
 
 SCRIPT = str(ROOT / "vpg_continuous.py")
 # A tiny Pendulum run: 2 envs in 1 worker, updates of 128 steps.
 TINY = ["--env", "Pendulum-v1", "--num-envs", 2, "--num-steps", 64, "--num-minibatches", 2, "--value-epochs", 1,
         "--num-workers", 1, "--seed", 5]
-
-
-def run_main(capsys, *args) -> tuple[int, str, str]:
-    try:
-        status = vpg.main([str(a) for a in args])
-    except SystemExit as exit:
-        status = exit.code
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
-
-
-def one_line_error(status: int, stderr: str, message: str) -> None:
-    assert status == 2, stderr
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("vpg_continuous.py: error:") and message in lines[0], stderr
 
 
 def start(*args) -> subprocess.Popen:
