@@ -75,9 +75,13 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
+import copy
 import ctypes
 import dataclasses
 import difflib
+import errno
+import fcntl
 import inspect
 import math
 import multiprocessing as mp
@@ -1273,6 +1277,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_config(config: Config) -> None:
     """Refuse settings that cannot work, before any process starts."""
+    # Every number first: a NaN passes every comparison below unnoticed, and an inf fails only at
+    # the first update.
+    for field in dataclasses.fields(Config):
+        value = getattr(config, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{flag(field.name)} must be a finite number, not {value}")
+    if not 0 <= config.seed <= 2**32 - 1:
+        raise ConfigError(f"--seed must be in [0, 2**32 - 1], not {config.seed}")
+    if config.run_dir is not None and Path(config.run_dir).exists() and not Path(config.run_dir).is_dir():
+        raise ConfigError(f"--run-dir {config.run_dir} is a file, not a directory")
     for name in ["total_timesteps", "num_envs", "num_steps", "value_epochs", "num_minibatches",
                  "checkpoint_every", "eval_episodes"]:
         if getattr(config, name) <= 0:
@@ -1394,16 +1408,58 @@ def apply_hardware_choices(device: torch.device) -> None:
 
 
 CHECKPOINT_FORMAT = "vpg_continuous/1"
+CHECKPOINT_FIELDS = ("config", "env_id", "update", "global_step", "ranks", "policy", "value", "optimizer",
+                     "obs_normalizer", "reward_scaler", "torch_rng", "cuda_rng")
+
+
+class DiskFull(Exception):
+    """A checkpoint could not be written for want of space; the previous one is intact."""
 
 
 def save_checkpoint(state: dict, path: Path) -> None:
-    """Write `state` to `path` atomically: to a temporary file first, then renamed over it."""
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as file:
-        torch.save(state, file)
+    """Write `state` to `path` atomically: to a temporary file first, then renamed over it.
+
+    The temporary file is this process's own (its name holds the pid), and it is removed if the
+    write fails, so that a full disk is not left fuller.
+    """
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException as error:
+        temporary.unlink(missing_ok=True)
+        if isinstance(error.__context__, KeyboardInterrupt):  # torch.save, cut short, raises its own error
+            raise KeyboardInterrupt from None
+        raise
+
+
+def last_checkpoint(*paths: Path | str | None) -> Path | None:
+    """The first of `paths` that is a file: the checkpoint a message may name."""
+    return next((Path(path) for path in paths if path is not None and Path(path).is_file()), None)
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: Path):
+    """Hold the run directory for this process: a second run in it is a `ConfigError` naming the first.
+
+    The lock is `flock` on a file inside the directory; the kernel drops it when the process ends,
+    however it ends, so a crashed run never leaves a stale lock behind.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "run.lock", "a+") as file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            raise ConfigError(f"{run_dir} is in use by another run (process {file.read().strip() or '?'})") from None
+        file.seek(0)
+        file.truncate()
+        file.write(f"{os.getpid()}\n")
         file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
+        yield
 
 
 def load_checkpoint(path: str) -> dict:
@@ -1417,6 +1473,9 @@ def load_checkpoint(path: str) -> dict:
                           f"({type(error).__name__})") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{path} is not a vpg_continuous.py checkpoint")
+    missing = [field for field in CHECKPOINT_FIELDS if field not in checkpoint]
+    if missing:
+        raise ConfigError(f"checkpoint {path} lacks {', '.join(missing)}: another version of vpg_continuous.py wrote it")
     return checkpoint
 
 
@@ -1429,6 +1488,9 @@ def restore_networks(networks: dict[str, nn.Module], checkpoint: dict, path: str
             first = str(error).strip().splitlines()
             raise ConfigError(f"checkpoint {path} holds a different {name} network: "
                               f"{' '.join(first[1:2] or first)}") from None
+        if not all(torch.isfinite(parameter).all() for parameter in network.parameters()):
+            raise ConfigError(f"checkpoint {path} holds non-finite {name} weights: it was written after "
+                              f"its run diverged")
 
 
 def checkpoint_state(trainer: Trainer, env_id: str, ranks: Ranks | None = None) -> dict:
@@ -1616,11 +1678,65 @@ def stop_between_steps(envs, stop: StopRequest) -> None:
     envs.step = step_unless_stopped
 
 
+# ### Updates that diverge
+#
+# A loss can stay finite while the step it takes sends a weight to infinity (a huge learning rate
+# on one minibatch does it). A checkpoint of such weights would be "the last good checkpoint" in
+# name only, so each update is all or nothing: if any weight is NaN or infinite after it, or its
+# loss was, the weights and Adam's moments go back to what they were before it and the run stops.
+
+
+def undo_non_finite_updates(trainer: Trainer) -> None:
+    """Make `trainer.update_policy` undo its update and raise `NonFiniteError` if the update leaves a
+    weight (or its loss) NaN or infinite, so that every checkpoint written after it holds finite weights."""
+    update_policy = trainer.update_policy
+    parameters = [parameter for group in trainer.optimizer.param_groups for parameter in group["params"]]
+
+    def update_or_undo(rollout: Rollout) -> dict[str, float]:
+        saved = [parameter.detach().clone() for parameter in parameters]
+        saved_optimizer, update = copy.deepcopy(trainer.optimizer.state_dict()), trainer.update
+        try:
+            stats = update_policy(rollout)
+            if all(torch.isfinite(parameter).all() for parameter in parameters):
+                return stats
+            error = NonFiniteError(f"the weights became NaN or infinite in update {update + 1}")
+        except NonFiniteError as raised:
+            error = raised
+        with torch.no_grad():
+            for parameter, value in zip(parameters, saved):
+                parameter.copy_(value)
+        trainer.optimizer.load_state_dict(saved_optimizer)
+        trainer.update = update
+        raise NonFiniteError(f"{error}; the update was undone")
+
+    trainer.update_policy = update_or_undo
+
+
+def aborted(checkpoint: Path | None) -> str:
+    """What a second Ctrl-C leaves: no new checkpoint, and the last one if there is one."""
+    return ("aborted by a second interrupt: no checkpoint written now; "
+            + (f"the last one is {checkpoint}" if checkpoint else "none was written"))
+
+
+def ignore_interrupts() -> None:
+    """Closing what is open (the log writer, the workers) takes a second or two once the last
+    checkpoint is written, or the run aborted: a Ctrl-C then is ignored rather than cutting it short."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 # ### The run
 #
 # `train` makes the run's directory, workers, device and trainer, then runs Part 1's loop with
 # what a real run adds after each update: logs, progress, checkpoints, and a stop when asked. With
-# several ranks (Part 4) each rank runs it, and rank 0 alone writes.
+# several ranks (Part 4) each rank runs it, and rank 0 alone writes (and locks the directory).
+#
+# What Ctrl-C does, in every phase: the first asks for a stop (while the workers start, the run
+# stops at its first step); the checkpoint is written and the exit status is 130. A second one,
+# while the workers start, during training or while the checkpoint is written, aborts: no new
+# checkpoint (a half-written one is removed), the workers are closed, and the run exits 130 at
+# once, naming the last checkpoint there is. Once the last checkpoint is written, closing is not
+# interrupted.
 
 
 def train(config: Config, env_id: str, spaces: EnvSpaces, checkpoint: dict | None = None) -> int:
@@ -1633,39 +1749,55 @@ def train(config: Config, env_id: str, spaces: EnvSpaces, checkpoint: dict | Non
                               f"resume it with as many, not {ranks.size}")
     else:
         run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config, env_id)
-        if ranks.is_main and (run_dir / "checkpoint.pt").exists():
-            raise ConfigError(f"{run_dir} already holds a checkpoint; resume it with --resume "
-                              f"{run_dir / 'checkpoint.pt'} or choose another --run-dir")
     if config.total_timesteps < config.batch_size * ranks.size:
         raise ConfigError(f"--total-timesteps {config.total_timesteps} is less than one batch "
                           f"({config.batch_size * ranks.size} = {ranks.size} rank(s) x {config.num_envs} envs "
                           f"x {config.num_steps} steps)")
-    torch.manual_seed(config.seed + ranks.rank)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    num_workers = config.num_workers or max(1, min(config.num_envs, cores // ranks.local_size))
-    start_method = None if config.start_method == "default" else config.start_method
-    first_update = checkpoint["update"] if checkpoint is not None else 0
-    # The workers start before anything touches CUDA or starts a thread (TensorBoard's writer does),
-    # so that forking them is safe.
-    with Workers(env_id, config.num_envs, num_workers, config.seed, spaces, config.max_episode_steps, start_method,
-                 first_update, first_env=ranks.rank * config.num_envs) as envs:
-        device = choose_device(config.device, ranks.local_rank)
-        ranks.start(device)
+    with run_dir_lock(run_dir) if ranks.is_main else contextlib.nullcontext():
+        checkpoint_path = run_dir / "checkpoint.pt"
+        if ranks.is_main and checkpoint_path.exists():
+            if checkpoint is None:
+                raise ConfigError(f"{run_dir} already holds a checkpoint; resume it with --resume "
+                                  f"{checkpoint_path} or choose another --run-dir")
+            if not checkpoint_path.samefile(config.resume):
+                raise ConfigError(f"{run_dir} already holds another run's checkpoint; resume that one, "
+                                  f"or choose another --run-dir for this one")
+        torch.manual_seed(config.seed + ranks.rank)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        num_workers = config.num_workers or max(1, min(config.num_envs, cores // ranks.local_size))
+        start_method = None if config.start_method == "default" else config.start_method
+        first_update = checkpoint["update"] if checkpoint is not None else 0
+        # With several ranks a rollout always finishes, and the ranks agree after each update on
+        # whether any of them was asked to stop; a terminal's Ctrl-C reaches each of them twice.
+        stop = StopRequest(announce=ranks.is_main, same_within=1.0 if ranks.size > 1 else 0.0)
         try:
-            return train_with(config, env_id, checkpoint, envs, device, ranks, run_dir, num_workers)
-        finally:
-            ranks.close()
+            with stop:
+                # The workers start before anything touches CUDA or starts a thread (TensorBoard's
+                # writer does), so that forking them is safe.
+                envs = Workers(env_id, config.num_envs, num_workers, config.seed, spaces, config.max_episode_steps,
+                               start_method, first_update, first_env=ranks.rank * config.num_envs)
+                try:
+                    device = choose_device(config.device, ranks.local_rank)
+                    ranks.start(device)
+                    return train_with(config, env_id, checkpoint, envs, device, ranks, run_dir, num_workers, stop)
+                finally:
+                    ignore_interrupts()
+                    envs.close()
+                    ranks.close()
+        except WorkerError as error:  # while the workers start; `train_with` reports those of training
+            print(f"{error}\nthe workers did not start; no training was done", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print(f"\n{aborted(last_checkpoint(checkpoint_path, config.resume))}", file=sys.stderr)
+            return 130
 
 
 def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Workers, device: torch.device,
-               ranks: Ranks, run_dir: Path, num_workers: int) -> int:
+               ranks: Ranks, run_dir: Path, num_workers: int, stop: StopRequest) -> int:
     """The run of `train`, once the envs and the device are ready."""
     from torch.utils.tensorboard import SummaryWriter
 
     apply_hardware_choices(device)
-    # With several ranks a rollout always finishes, and the ranks agree after each update on
-    # whether any of them was asked to stop; a terminal's Ctrl-C reaches each of them twice.
-    stop = StopRequest(announce=ranks.is_main, same_within=1.0 if ranks.size > 1 else 0.0)
     timings = {"env": 0.0, "sampling": 0.0, "update": 0.0}
     time_calls(envs, "step", timings, "env")
     if ranks.size == 1:
@@ -1675,6 +1807,7 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
         trainer = DataParallelTrainer(config, envs, device, ranks)
     time_calls(trainer, "collect_rollout", timings, "sampling")
     time_calls(trainer, "update_policy", timings, "update")
+    undo_non_finite_updates(trainer)
     if checkpoint is not None:
         restore_checkpoint(trainer, checkpoint, config.resume, ranks)
     checkpoint_path = run_dir / "checkpoint.pt"
@@ -1682,11 +1815,17 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
     def write_checkpoint() -> None:
         state = checkpoint_state(trainer, env_id, ranks)  # every rank takes part: it gathers their random states
         if ranks.is_main:
-            save_checkpoint(state, checkpoint_path)
+            try:
+                save_checkpoint(state, checkpoint_path)
+            except OSError as error:
+                if error.errno != errno.ENOSPC:
+                    raise
+                last = last_checkpoint(checkpoint_path, config.resume) or "none was written"
+                raise DiskFull(f"no space left on device while writing {checkpoint_path}; "
+                               f"the last checkpoint is {last}") from None
 
     writer, progress = None, Progress(config.total_timesteps, trainer.global_step)
     if ranks.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
         writer = SummaryWriter(str(run_dir))
         if checkpoint is None:
             writer.add_text("hyperparameters", hyperparameter_table(config, env_id, ranks.size))
@@ -1712,12 +1851,12 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
 
     stopped_by = 0
     try:
-        with stop:
-            try:
-                trainer.train(after_update)
-            except Stopped as stopped:
-                stopped_by = stopped.signal
+        try:
+            trainer.train(after_update)
+        except Stopped as stopped:
+            stopped_by = stopped.signal
         write_checkpoint()
+        ignore_interrupts()
         if not ranks.is_main:
             return 128 + stopped_by if stopped_by else 0
         progress.show(trainer.global_step, final=True)
@@ -1737,16 +1876,17 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
             print(f"\nrank {ranks.rank}: {error}", file=sys.stderr)
         return 1
     except NonFiniteError as error:
-        kept = f"the last good checkpoint is {checkpoint_path}" if checkpoint_path.exists() else "no checkpoint was written"
-        print(f"\n{error}; {kept}", file=sys.stderr)
+        last = last_checkpoint(checkpoint_path, config.resume)
+        print(f"\n{error}; " + (f"the last good checkpoint is {last}" if last else "no checkpoint was written"),
+              file=sys.stderr)
         return 1
     except RankFailure as error:
-        print(f"\n{error}; the last checkpoint written is in {checkpoint_path}", file=sys.stderr)
+        last = last_checkpoint(checkpoint_path, config.resume)
+        print(f"\n{error}; " + (f"the last checkpoint is {last}" if last else "no checkpoint was written"),
+              file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"\naborted; the last checkpoint written is in {checkpoint_path}", file=sys.stderr)
-        return 130
     finally:
+        ignore_interrupts()
         if writer is not None:
             writer.close()
 
@@ -1899,6 +2039,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
+    except DiskFull as error:
+        print(f"\n{prog}: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # before the run began (reading the checkpoint, say), or while evaluating
+        print("\ninterrupted; no checkpoint written", file=sys.stderr)
+        return 130
 
 
 # ## Part 4: More than one device
@@ -2191,4 +2337,6 @@ class DataParallelTrainer(Trainer):
 
 
 if __name__ == "__main__":
-    exit_process(main(), ranks=int(os.environ.get("WORLD_SIZE", "1")))
+    status = main()
+    ignore_interrupts()  # the run has ended: a Ctrl-C now could only turn it into a traceback at exit
+    exit_process(status, ranks=int(os.environ.get("WORLD_SIZE", "1")))

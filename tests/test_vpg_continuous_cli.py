@@ -167,7 +167,7 @@ def test_no_opengl_at_all_names_what_to_install(monkeypatch):
     (["--env", "CartPole-v1"], "CartPole-v1 has Discrete actions"),
     (["--num-minibatches", "3"], "does not split into 3 minibatches"),
     (["--num-steps", "-5"], "--num-steps must be positive"),
-    (["--learning-rate", "nan"], "--learning-rate must be positive, not nan"),
+    (["--learning-rate", "nan"], "--learning-rate must be a finite number, not nan"),
     (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
     (["--max-episode-steps", "0"], "--max-episode-steps must be positive"),
     (["--total-timesteps", "lots"], "invalid integer value: 'lots'"),

@@ -6,6 +6,7 @@ copy, and these tests keep the copies from drifting apart."""
 
 import ast
 import dataclasses
+import inspect
 import os
 import signal
 import time
@@ -92,3 +93,15 @@ def test_a_second_ctrl_c_aborts_in_one_process_and_is_the_same_request_among_ran
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+FAULT_PIECES = ["DiskFull", "save_checkpoint", "last_checkpoint", "run_dir_lock", "undo_non_finite_updates",
+                "aborted", "ignore_interrupts"]
+
+
+@pytest.mark.parametrize("name", FAULT_PIECES)
+def test_the_pytorch_scripts_handle_faults_with_one_text(name):
+    # The full disk, the lock of the run directory, the undone update and the second Ctrl-C: the
+    # two PyTorch scripts say and do the same, so the README describes them once.
+    texts = [inspect.getsource(getattr(module, name)) for module in (ppo_atari, vpg)]
+    assert texts[0] == texts[1], f"the copies of {name} differ"
