@@ -82,6 +82,7 @@ def test_resume_continues_on_schedule(trained, run, tmp_path):
     run_dir, _ = trained
     result = run("--resume", run_dir / "checkpoint.msgpack", "--total-timesteps", 6144, "--run-dir", tmp_path)
     assert result.returncode == 0, result.stderr
+    assert f"resumed at step 4,096 (update 16) from {run_dir / 'checkpoint.msgpack'}" in result.stderr
     rates = dict(scalars(tmp_path / "agent-0")["charts/learning_rate"])
     assert sorted(rates) == [256 * (u + 1) for u in range(16, 24)]  # updates 17 to 24 of 24
     assert rates[256 * 17] == pytest.approx(2.5e-4 * (1 - 16 / 24))
