@@ -1604,7 +1604,8 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
               f"{config.num_envs} games in {num_workers} workers{across}; logs and checkpoints in {run_dir}",
               file=sys.stderr)
         if checkpoint is not None:
-            print(f"resumed at step {trainer.global_step:,} (update {trainer.update}) from {config.resume}", file=sys.stderr)
+            print(f"resumed at step {trainer.global_step:,} (update {trainer.update}) from {config.resume}",
+                  file=sys.stderr)
     before = dict(timings)
 
     def after_update(stats: dict[str, float]) -> None:
@@ -1760,7 +1761,8 @@ def evaluate(config: Config, env_id: str, checkpoint: dict) -> list[float]:
         video_dir.mkdir(parents=True, exist_ok=True)
         for index in range(len(games)):
             # 60 frames a second divided by the frame skip: the video plays in real time.
-            videos.append(Video(video_dir / f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4", 60 / config.frame_skip))
+            videos.append(Video(video_dir / f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4",
+                                60 / config.frame_skip))
     scores = [0.0] * len(games)
     playing = list(range(len(games)))
     for game in games:

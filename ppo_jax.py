@@ -2161,7 +2161,8 @@ def render_gymnax(env_id: str, env: BatchedEnv, state: Any) -> np.ndarray:
 
     grid = np.asarray(env.env.get_obs(state, env.params))  # [10, 10, channels] of 0 and 1
     channels = grid.shape[-1]
-    palette = np.round(255 * np.array([(0.0, 0.0, 0.0), *seaborn.color_palette("cubehelix", channels)])).astype(np.uint8)
+    colours = [(0.0, 0.0, 0.0), *seaborn.color_palette("cubehelix", channels)]
+    palette = np.round(255 * np.array(colours)).astype(np.uint8)
     cells = np.amax(grid * np.arange(1, channels + 1), axis=2).astype(int)
     return np.repeat(np.repeat(palette[cells], 20, axis=0), 20, axis=1)
 

@@ -1664,7 +1664,8 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
         print(f"{env_id}: training on {device}, {config.num_envs} envs in {num_workers} workers{across}; "
               f"logs and checkpoints in {run_dir}", file=sys.stderr)
         if checkpoint is not None:
-            print(f"resumed at step {trainer.global_step:,} (update {trainer.update}) from {config.resume}", file=sys.stderr)
+            print(f"resumed at step {trainer.global_step:,} (update {trainer.update}) from {config.resume}",
+                  file=sys.stderr)
     before = dict(timings)
 
     def after_update(stats: dict[str, float]) -> None:

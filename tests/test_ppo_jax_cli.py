@@ -158,7 +158,8 @@ def test_eval_plays_every_agent(trained, run):
 
 def test_eval_records_the_first_agents_episodes(trained, run, tmp_path):
     run_dir, _ = trained
-    result = run("--eval", run_dir / "checkpoint.msgpack", "--eval-episodes", 2, "--capture-video", "--run-dir", tmp_path)
+    result = run("--eval", run_dir / "checkpoint.msgpack", "--eval-episodes", 2, "--capture-video",
+                 "--run-dir", tmp_path)
     assert result.returncode == 0, result.stderr
     videos = sorted((tmp_path / "videos").glob("*.mp4"))
     assert [video.name for video in videos] == ["eval-CartPole-v1-episode00.mp4", "eval-CartPole-v1-episode01.mp4"]

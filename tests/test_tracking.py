@@ -23,7 +23,8 @@ TINY = {
 
 
 # The script run as from the command line, in a Python where `import wandb` fails.
-WITHOUT_WANDB = "import runpy, sys; sys.modules['wandb'] = None; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+WITHOUT_WANDB = ("import runpy, sys; sys.modules['wandb'] = None; sys.argv = sys.argv[1:]; "
+                 "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 @pytest.mark.parametrize("script", list(TINY))

@@ -115,7 +115,8 @@ def test_resume_continues_on_schedule(trained, tmp_path):
     first_returns = [value for _, value in scalars(run_dir)["charts/episodic_return"]]
     new_returns = [value for _, value in scalars(resumed_dir)["charts/episodic_return"]]
     assert len(first_returns) > 0 and len(new_returns) > 0
-    assert torch.load(run_dir / "checkpoint.pt", weights_only=True)["recent_returns"] == pytest.approx(first_returns[-20:])
+    first_checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert first_checkpoint["recent_returns"] == pytest.approx(first_returns[-20:])
     assert checkpoint["recent_returns"] == pytest.approx((first_returns + new_returns)[-20:])
 
 
