@@ -57,6 +57,7 @@ import dataclasses
 import difflib
 import errno
 import fcntl
+import fractions
 import inspect
 import math
 import multiprocessing as mp
@@ -188,6 +189,13 @@ class Config:
     """Games to play with `--eval`."""
     capture_video: bool = False
     """With `--eval`, write each game to an mp4 in <run dir>/videos."""
+    track: bool = False
+    """Send the run to Weights & Biases, as CleanRL does: its TensorBoard scalars, and the videos of
+    `--eval --capture-video` (needs `pip install wandb`)."""
+    wandb_project_name: str = "policy-gradients"
+    """The Weights & Biases project that `--track` sends the run to."""
+    wandb_entity: str | None = None
+    """The Weights & Biases team or user that `--track` sends the run to (default: your own)."""
 
     @property
     def batch_size(self) -> int:
@@ -1023,7 +1031,8 @@ class ConfigError(Exception):
 # The settings of one invocation rather than of the agent: a resumed run takes its hyperparameters
 # from the checkpoint, but these from the command line (or their defaults).
 RUN_OPTIONS = {"num_workers", "device", "precision", "start_method", "run_dir", "resume", "eval",
-               "eval_episodes", "capture_video", "checkpoint_every"}
+               "eval_episodes", "capture_video", "checkpoint_every",
+               "track", "wandb_project_name", "wandb_entity"}
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -1704,8 +1713,9 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
     def write_checkpoint() -> None:
         state = checkpoint_state(trainer, env_id, ranks)  # every rank takes part: it gathers their random states
         if ranks.is_main:
+            # The progress line's recent scores, so that a resumed run's line goes on from them.
             try:
-                save_checkpoint(state, checkpoint_path)
+                save_checkpoint({**state, "recent_scores": list(progress.scores)}, checkpoint_path)
             except OSError as error:
                 if error.errno != errno.ENOSPC:
                     raise
@@ -1713,8 +1723,12 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
                 raise DiskFull(f"no space left on device while writing {checkpoint_path}; "
                                f"the last checkpoint is {last}") from None
 
-    writer, progress = None, Progress(config.total_timesteps, trainer.global_step)
+    writer, progress, tracking = None, Progress(config.total_timesteps, trainer.global_step), None
+    if checkpoint is not None:
+        progress.scores.extend(checkpoint.get("recent_scores", []))  # absent from older checkpoints
     if ranks.is_main:
+        if config.track:  # before the writer, so that wandb sees its events
+            tracking = start_tracking(config, run_dir.name)
         writer = SummaryWriter(str(run_dir))
         if checkpoint is None:
             writer.add_text("hyperparameters", hyperparameter_table(config, env_id))
@@ -1722,6 +1736,9 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
         print(f"{env_id}: training on {device} ({'bfloat16' if trainer.model.bf16 else 'float32'} torso), "
               f"{config.num_envs} games in {num_workers} workers{across}; logs and checkpoints in {run_dir}",
               file=sys.stderr)
+        if checkpoint is not None:
+            print(f"resumed at step {trainer.global_step:,} (update {trainer.update}) from {config.resume}",
+                  file=sys.stderr)
     before = dict(timings)
 
     def after_update(stats: dict[str, float]) -> None:
@@ -1778,12 +1795,88 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
         ignore_interrupts()
         if writer is not None:
             writer.close()
+        if tracking is not None:
+            tracking.finish()
+
+
+# ### Experiment tracking
+#
+# `--track` sends the run to Weights & Biases, as CleanRL does. wandb mirrors every TensorBoard
+# event the run writes from `wandb.init` on (`sync_tensorboard`), so the tags are the same in both;
+# `--eval --capture-video` uploads its videos. wandb is optional, imported only for `--track`, and
+# `WANDB_MODE=offline` keeps a run on disk for a later `wandb sync`.
+
+
+def import_wandb():
+    """The `wandb` module, or a `ConfigError` that says how to install it."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("--track needs wandb: pip install wandb==0.31.0") from None
+    return wandb
+
+
+def start_tracking(config, name: str, job_type: str = "train"):
+    """A Weights & Biases run named `name` that syncs the TensorBoard events written after it starts."""
+    return import_wandb().init(project=config.wandb_project_name, entity=config.wandb_entity, name=name,
+                               job_type=job_type, config=vars(config), sync_tensorboard=True, monitor_gym=False,
+                               save_code=True)
+
+
+def track_evaluation(config, returns: list[float], videos: list[Path]) -> None:
+    """Send an evaluation to Weights & Biases: each episode's return, its mean, and the videos."""
+    wandb = import_wandb()
+    tracking = start_tracking(config, f"eval-{Path(config.eval).parent.name}", job_type="eval")
+    try:
+        for episode, episode_return in enumerate(returns):
+            tracking.log({"eval/episodic_return": episode_return}, step=episode)
+        tracking.summary["eval/mean_return"] = float(np.mean(returns))
+        if videos:
+            tracking.log({"videos": [wandb.Video(str(path), format="mp4") for path in videos]})
+    finally:
+        tracking.finish()
 
 
 # ### Evaluation and video
 #
 # Evaluation plays whole games, several at once in this process, with the policy sampling its
 # actions as in training, and reports the real score of each game (all lives, unclipped).
+
+
+class Video:
+    """An mp4 file of H.264 video, written one RGB frame at a time.
+
+    H.264 in yuv420p is the video that browsers, TensorBoard and Weights & Biases play (OpenCV's
+    mp4 writer makes MPEG-4 Part 2, which Chromium refuses). PyAV (`av`) carries the x264 encoder
+    in its wheel. yuv420p keeps the colour at half resolution, so both sides must be even: an odd
+    side is padded by repeating its last row or column. `+faststart` puts the file's index first,
+    so that a browser starts playing before the whole file has arrived.
+    """
+
+    def __init__(self, path: Path, fps: float):
+        import av  # imported here: only a run that records video needs it
+
+        self.path, self.make_frame = path, av.VideoFrame.from_ndarray
+        self.file = av.open(str(path), "w", options={"movflags": "+faststart"})
+        self.stream = self.file.add_stream("libx264", rate=fractions.Fraction(fps).limit_denominator(1001))
+        self.stream.pix_fmt = "yuv420p"
+        self.shape: tuple[int, int] | None = None
+
+    def write(self, frame: np.ndarray) -> None:
+        if self.shape is None:
+            self.shape = (frame.shape[0] + frame.shape[0] % 2, frame.shape[1] + frame.shape[1] % 2)
+            self.stream.height, self.stream.width = self.shape
+        padding = ((0, self.shape[0] - frame.shape[0]), (0, self.shape[1] - frame.shape[1]), (0, 0))
+        frame = np.pad(frame, padding, mode="edge") if padding[0][1] or padding[1][1] else frame
+        self.file.mux(self.stream.encode(self.make_frame(np.ascontiguousarray(frame), format="rgb24")))
+
+    def close(self) -> None:
+        """Encode the frames x264 still holds and finish the file; a second call does nothing."""
+        if self.file is not None:
+            if self.shape is not None:
+                self.file.mux(self.stream.encode())
+            self.file.close()
+            self.file = None
 
 
 def evaluate(config: Config, env_id: str, checkpoint: dict) -> list[float]:
@@ -1800,15 +1893,10 @@ def evaluate(config: Config, env_id: str, checkpoint: dict) -> list[float]:
     if config.capture_video:
         video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
         video_dir.mkdir(parents=True, exist_ok=True)
-        for index, game in enumerate(games):
-            height, width = game.render().shape[:2]
-            path = video_dir / f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4"
+        for index in range(len(games)):
             # 60 frames a second divided by the frame skip: the video plays in real time.
-            video = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 60 / config.frame_skip,
-                                    (2 * width, 2 * height))
-            if not video.isOpened():
-                raise ConfigError(f"OpenCV cannot write {path}")
-            videos.append(video)
+            videos.append(Video(video_dir / f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4",
+                                60 / config.frame_skip))
     scores = [0.0] * len(games)
     playing = list(range(len(games)))
     for game in games:
@@ -1821,17 +1909,18 @@ def evaluate(config: Config, env_id: str, checkpoint: dict) -> list[float]:
             for i, action in zip(playing, actions):
                 step = games[i].step(action)
                 if videos:
-                    frame = cv2.cvtColor(games[i].render(), cv2.COLOR_RGB2BGR)
-                    videos[i].write(cv2.resize(frame, None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST))
+                    videos[i].write(cv2.resize(games[i].render(), None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST))
                 if step.game_over:
                     scores[i] = step.score
                     if videos:
-                        videos[i].release()
+                        videos[i].close()
                 else:
                     still_playing.append(i)
             playing = still_playing
     if videos:
         print(f"videos in {video_dir}", file=sys.stderr)
+    if config.track:
+        track_evaluation(config, scores, [video.path for video in videos])
     return scores
 
 
@@ -1844,6 +1933,8 @@ def main(argv: list[str] | None = None) -> int:
     prog = "ppo_atari.py"
     try:
         config, checkpoint = parse_config(argv)
+        if config.track:
+            import_wandb()  # here, so that a missing wandb stops the run before it starts
         env_id = resolve_env_id(config.env)
         if checkpoint is not None and checkpoint["game"] != game_name(env_id):
             raise ConfigError(f"checkpoint {config.resume or config.eval} was trained on {checkpoint['game']}, "

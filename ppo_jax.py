@@ -79,6 +79,7 @@ import ctypes
 import dataclasses
 import functools
 import difflib
+import fractions
 import inspect
 import math
 import multiprocessing as mp
@@ -111,7 +112,7 @@ from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
 from tensorboard.compat.proto.tensor_pb2 import TensorProto
 from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboard.plugins.text.plugin_data_pb2 import TextPluginData
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
+from tensorboard.summary.writer import event_file_writer
 
 
 # ## Part 1: The algorithm
@@ -1300,7 +1301,14 @@ class RunConfig(AtariConfig):
     eval_episodes: int = 10
     """Episodes to play with `--eval`."""
     capture_video: bool = False
-    """Atari: with `--eval`, write each game to an mp4 in <run dir>/videos."""
+    """With `--eval`, write each episode to an mp4 in <run dir>/videos (on gymnax, the first agent's)."""
+    track: bool = False
+    """Send the run to Weights & Biases, as CleanRL does: its TensorBoard scalars, and the videos of
+    `--eval --capture-video` (needs `pip install wandb`)."""
+    wandb_project_name: str = "policy-gradients"
+    """The Weights & Biases project that `--track` sends the run to."""
+    wandb_entity: str | None = None
+    """The Weights & Biases team or user that `--track` sends the run to (default: your own)."""
 
 
 RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.name for field in dataclasses.fields(AtariConfig)}
@@ -1434,9 +1442,8 @@ def check_config(config: RunConfig, family: str) -> None:
     if family == "Atari" and config.num_seeds > 1:
         raise ConfigError("--num-seeds trains agents side by side in one compiled program, which needs an "
                           "environment written in JAX; an Atari run trains one agent")
-    if config.capture_video and (config.eval is None or family != "Atari"):
-        raise ConfigError("--capture-video records Atari evaluation games; use it with --eval CHECKPOINT "
-                          "of an Atari run")
+    if config.capture_video and config.eval is None:
+        raise ConfigError("--capture-video records evaluation episodes; use it with --eval CHECKPOINT")
 
 
 # The environments this page trains on, by kind; each kind starts from its preset in Part 1. Any
@@ -1661,7 +1668,8 @@ class EventWriter:
 
     def __init__(self, directory: Path):
         directory.mkdir(parents=True, exist_ok=True)
-        self.writer = EventFileWriter(str(directory))
+        # Looked up when used, not imported by name: `--track` replaces it with a writer that wandb watches.
+        self.writer = event_file_writer.EventFileWriter(str(directory))
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
@@ -1806,6 +1814,7 @@ class Run:
         self.seed_writers = seed_writers
         self.writer: EventWriter | None = None
         self.writers: list[EventWriter] = []
+        self.tracking = None
 
     def open_writers(self) -> None:
         """The run's writer (the mean over agents) and, for several agents, one per agent in `agent-<i>/`.
@@ -1813,6 +1822,8 @@ class Run:
         TensorBoard shows each directory as a run of its own, so every agent's curves and their
         mean appear under the same tags. Opened after the workers start: the writer runs a thread.
         """
+        if self.config.track:  # before the writers, so that wandb sees their events
+            self.tracking = start_tracking(self.config, self.dir.name)
         self.writer = EventWriter(self.dir)
         self.writers = [EventWriter(self.dir / f"agent-{i}") for i in range(self.seed_writers)]
         if not self.resumed:
@@ -1848,6 +1859,8 @@ class Run:
             for writer in [self.writer, *self.writers]:
                 if writer is not None:
                     writer.close()
+            if self.tracking is not None:
+                self.tracking.finish()
 
 
 class NonFiniteError(RuntimeError):
@@ -1972,6 +1985,8 @@ def train_atari(config: RunConfig, env_id: str, checkpoint: dict | None) -> int:
         print(f"{env_id}: training on {device} (compiled in {trainer.compile_seconds:.1f} s), {config.num_envs} games "
               f"in {num_workers} workers; logs and checkpoints in {run.dir}", file=sys.stderr)
         progress = Progress(config.total_timesteps, trainer.global_step)
+        if checkpoint is not None:
+            progress.scores.extend(checkpoint.get("recent_scores", []))  # absent from older checkpoints
 
         def loop(stop: StopRequest) -> None:
             while trainer.update < config.num_updates:
@@ -1995,8 +2010,11 @@ def train_atari(config: RunConfig, env_id: str, checkpoint: dict | None) -> int:
                     return
 
         def save() -> None:
+            # The progress line's recent scores ride along, so that a resumed run's line goes on from them.
             save_checkpoint(checkpoint_state(config, env_id, trainer.update, trainer.global_step, agent=trainer.agent,
-                                             key=jax.random.key_data(trainer.key)), run.checkpoint_path)
+                                             key=jax.random.key_data(trainer.key),
+                                             recent_scores=np.asarray(progress.scores, np.float64)),
+                            run.checkpoint_path)
 
         def counters() -> tuple[int, int]:
             progress.show(trainer.global_step, final=True)
@@ -2005,34 +2023,77 @@ def train_atari(config: RunConfig, env_id: str, checkpoint: dict | None) -> int:
         return run.finish(loop, save, counters)
 
 
+# ### Experiment tracking
+#
+# `--track` sends the run to Weights & Biases, as CleanRL does. wandb mirrors every TensorBoard
+# event the run writes from `wandb.init` on (`sync_tensorboard`), so the tags are the same in both;
+# `--eval --capture-video` uploads its videos. wandb is optional, imported only for `--track`, and
+# `WANDB_MODE=offline` keeps a run on disk for a later `wandb sync`.
+
+
+def import_wandb():
+    """The `wandb` module, or a `ConfigError` that says how to install it."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("--track needs wandb: pip install wandb==0.31.0") from None
+    return wandb
+
+
+def start_tracking(config, name: str, job_type: str = "train"):
+    """A Weights & Biases run named `name` that syncs the TensorBoard events written after it starts."""
+    return import_wandb().init(project=config.wandb_project_name, entity=config.wandb_entity, name=name,
+                               job_type=job_type, config=vars(config), sync_tensorboard=True, monitor_gym=False,
+                               save_code=True)
+
+
+def track_evaluation(config, returns: list[float], videos: list[Path]) -> None:
+    """Send an evaluation to Weights & Biases: each episode's return, its mean, and the videos."""
+    wandb = import_wandb()
+    tracking = start_tracking(config, f"eval-{Path(config.eval).parent.name}", job_type="eval")
+    try:
+        for episode, episode_return in enumerate(returns):
+            tracking.log({"eval/episodic_return": episode_return}, step=episode)
+        tracking.summary["eval/mean_return"] = float(np.mean(returns))
+        if videos:
+            tracking.log({"videos": [wandb.Video(str(path), format="mp4") for path in videos]})
+    finally:
+        tracking.finish()
+
+
 # ### Evaluation
 #
 # Evaluation plays whole episodes with the policy sampling its actions, as in training, and
 # reports the real, unclipped return of each. On gymnax it is one more compiled program: every
 # agent plays `eval_episodes` episodes at once, for as many steps as the longest episode can last.
+# To record them, the first agent's episodes are played again by the same program with the same
+# key, keeping the environments' state at every step, and the states are drawn afterwards.
 
 
 
-def make_evaluate(network: nn.Module, env: BatchedEnv) -> Callable[[Any, jax.Array], jax.Array]:
-    """`evaluate(params, key)`: the returns of `env.num_envs` whole episodes played with `params`."""
+def make_evaluate(network: nn.Module, env: BatchedEnv, record: bool = False) -> Callable[[Any, jax.Array], Any]:
+    """`evaluate(params, key)`: the returns of `env.num_envs` whole episodes played with `params`.
+    With `record`, also the first state of every environment, its state after each step, and whether
+    its episode was still going on then: `(returns, first_states, (states, playing))`."""
 
-    def evaluate(params: Any, key: jax.Array) -> jax.Array:
+    def evaluate(params: Any, key: jax.Array) -> Any:
         key, reset_key = jax.random.split(key)
-        obs, state = env.reset(reset_key)
+        obs, first_states = env.reset(reset_key)
 
-        def step(carry: tuple, _) -> tuple[tuple, None]:
+        def step(carry: tuple, _) -> tuple[tuple, Any]:
             obs, state, returns, playing, key = carry
             key, action_key, env_key = jax.random.split(key, 3)
             policy, _ = network.apply(params, obs)
             obs, state, rewards, terminated, truncated, _ = env.step(env_key, state, policy.sample(action_key))
             # An environment that finished its episode goes on (it was reset), but no longer counts.
             returns = returns + jnp.where(playing, rewards, 0.0)
-            return (obs, state, returns, playing & ~(terminated | truncated), key), None
+            playing = playing & ~(terminated | truncated)
+            return (obs, state, returns, playing, key), ((state, playing) if record else None)
 
         playing = jnp.ones(env.num_envs, bool)
-        (_, _, returns, _, _), _ = jax.lax.scan(step, (obs, state, jnp.zeros(env.num_envs), playing, key),
-                                                length=env.max_steps)
-        return returns
+        (_, _, returns, _, _), trace = jax.lax.scan(step, (obs, first_states, jnp.zeros(env.num_envs), playing, key),
+                                                    length=env.max_steps)
+        return (returns, first_states, trace) if record else returns
 
     return evaluate
 
@@ -2046,8 +2107,64 @@ def evaluate_gymnax(config: RunConfig, env_id: str, checkpoint: dict) -> np.ndar
     network, env = training.network, BatchedEnv(env_id, config.eval_episodes)
     # Episodes unlike the training ones: keys from another branch of the seed's key.
     eval_keys = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), 1), config.num_seeds)
+    videos = []
+    if config.capture_video:
+        first_agent = jax.tree.map(lambda value: value[0], params)
+        played = jax.jit(make_evaluate(network, env, record=True))(first_agent, eval_keys[0])
+        videos = record_gymnax(config, env_id, env, played)
     params, eval_keys = jax.device_put((params, eval_keys), split_over_seeds(seed_mesh(config.num_seeds)))
-    return np.asarray(jax.jit(jax.vmap(make_evaluate(network, env)))(params, eval_keys))
+    returns = np.asarray(jax.jit(jax.vmap(make_evaluate(network, env)))(params, eval_keys))
+    if config.track:
+        track_evaluation(config, returns.ravel().tolist(), videos)
+    return returns
+
+
+def record_gymnax(config: RunConfig, env_id: str, env: BatchedEnv, played: tuple) -> list[Path]:
+    """Draw the episodes `make_evaluate(..., record=True)` played into one mp4 each, in <run dir>/videos.
+
+    gymnax resets an environment within the step that ends its episode, so an episode's last frame
+    is the one before its end."""
+    _, first_states, (states, playing) = jax.device_get(played)
+    video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
+    video_dir.mkdir(parents=True, exist_ok=True)
+    # Classic control plays at gymnasium's own rate; MinAtar has none, and 15 steps a second reads well.
+    fps = gym.make(env_id).metadata["render_fps"] if env_id in GYMNAX_FAMILIES and "MinAtar" not in env_id else 15
+    paths = []
+    for episode in range(env.num_envs):
+        video = Video(video_dir / f"eval-{env_id}-episode{episode:02d}.mp4", fps)
+        try:
+            video.write(render_gymnax(env_id, env, jax.tree.map(lambda value: value[episode], first_states)))
+            for step in np.flatnonzero(playing[:, episode]):
+                video.write(render_gymnax(env_id, env, jax.tree.map(lambda value: value[step, episode], states)))
+        finally:
+            video.close()
+        paths.append(video.path)
+    print(f"videos in {video_dir}", file=sys.stderr)
+    return paths
+
+
+def render_gymnax(env_id: str, env: BatchedEnv, state: Any) -> np.ndarray:
+    """One RGB frame of a gymnax state, drawn as gymnax's own visualiser draws it.
+
+    Classic control through gymnasium's renderer with the state copied in (gymnax's
+    `render_gym_frame`); MinAtar as its 10 x 10 grid, each cell in the colour of its highest
+    channel from gymnax's palette (seaborn's cubehelix, black for an empty cell), 20 pixels a cell.
+    """
+    # pygame, which draws classic control, needs no display or sound card for this.
+    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+    from gymnax.visualize import vis_gym  # imported here: only a recording needs it (and matplotlib)
+
+    if env_id in vis_gym.SUPPORTED_GYM_ENVS:
+        return vis_gym.render_gym_frame(env_id, state, env.params)
+    import seaborn
+
+    grid = np.asarray(env.env.get_obs(state, env.params))  # [10, 10, channels] of 0 and 1
+    channels = grid.shape[-1]
+    colours = [(0.0, 0.0, 0.0), *seaborn.color_palette("cubehelix", channels)]
+    palette = np.round(255 * np.array(colours)).astype(np.uint8)
+    cells = np.amax(grid * np.arange(1, channels + 1), axis=2).astype(int)
+    return np.repeat(np.repeat(palette[cells], 20, axis=0), 20, axis=1)
 
 
 def evaluate_atari(config: RunConfig, env_id: str, checkpoint: dict) -> np.ndarray:
@@ -2071,30 +2188,60 @@ def evaluate_atari(config: RunConfig, env_id: str, checkpoint: dict) -> np.ndarr
         for i in sorted(playing):
             step = games[i].step(int(actions[i]))
             if videos:
-                frame = cv2.cvtColor(games[i].render(), cv2.COLOR_RGB2BGR)
-                videos[i].write(cv2.resize(frame, None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST))
+                videos[i].write(cv2.resize(games[i].render(), None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST))
             if step.game_over:
                 scores[i] = step.score
                 playing.discard(i)
                 if videos:
-                    videos[i].release()
+                    videos[i].close()
+    if config.track:
+        track_evaluation(config, scores.tolist(), [video.path for video in videos])
     return scores[None]
+
+
+class Video:
+    """An mp4 file of H.264 video, written one RGB frame at a time.
+
+    H.264 in yuv420p is the video that browsers, TensorBoard and Weights & Biases play (OpenCV's
+    mp4 writer makes MPEG-4 Part 2, which Chromium refuses). PyAV (`av`) carries the x264 encoder
+    in its wheel. yuv420p keeps the colour at half resolution, so both sides must be even: an odd
+    side is padded by repeating its last row or column. `+faststart` puts the file's index first,
+    so that a browser starts playing before the whole file has arrived.
+    """
+
+    def __init__(self, path: Path, fps: float):
+        import av  # imported here: only a run that records video needs it
+
+        self.path, self.make_frame = path, av.VideoFrame.from_ndarray
+        self.file = av.open(str(path), "w", options={"movflags": "+faststart"})
+        self.stream = self.file.add_stream("libx264", rate=fractions.Fraction(fps).limit_denominator(1001))
+        self.stream.pix_fmt = "yuv420p"
+        self.shape: tuple[int, int] | None = None
+
+    def write(self, frame: np.ndarray) -> None:
+        if self.shape is None:
+            self.shape = (frame.shape[0] + frame.shape[0] % 2, frame.shape[1] + frame.shape[1] % 2)
+            self.stream.height, self.stream.width = self.shape
+        padding = ((0, self.shape[0] - frame.shape[0]), (0, self.shape[1] - frame.shape[1]), (0, 0))
+        frame = np.pad(frame, padding, mode="edge") if padding[0][1] or padding[1][1] else frame
+        self.file.mux(self.stream.encode(self.make_frame(np.ascontiguousarray(frame), format="rgb24")))
+
+    def close(self) -> None:
+        """Encode the frames x264 still holds and finish the file; a second call does nothing."""
+        if self.file is not None:
+            if self.shape is not None:
+                self.file.mux(self.stream.encode())
+            self.file.close()
+            self.file = None
 
 
 def open_videos(config: RunConfig, env_id: str, games: list[Game]) -> list:
     """One mp4 writer per game, in <run dir>/videos, twice the screen's size, in real time."""
     video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
     video_dir.mkdir(parents=True, exist_ok=True)
-    videos = []
-    for index, game in enumerate(games):
-        height, width = game.ale.getScreenDims()
-        path = video_dir / f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4"
-        # 60 frames a second divided by the frame skip: the video plays in real time.
-        video = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 60 / config.frame_skip,
-                                (2 * width, 2 * height))
-        if not video.isOpened():
-            raise ConfigError(f"OpenCV cannot write {path}")
-        videos.append(video)
+    # 60 frames a second divided by the frame skip: the video plays in real time.
+    videos = [Video(video_dir / f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4", 60 / config.frame_skip)
+              for index in range(len(games))]
     print(f"videos in {video_dir}", file=sys.stderr)
     return videos
 
@@ -2109,6 +2256,8 @@ def describe_returns(returns: np.ndarray) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         config, checkpoint, env_id, family = parse_config(argv)
+        if config.track:
+            import_wandb()  # here, so that a missing wandb stops the run before it starts
         if config.eval is not None:
             evaluate = evaluate_atari if family == "Atari" else evaluate_gymnax
             returns = evaluate(config, env_id, checkpoint)
@@ -2120,6 +2269,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{env_id}: {len(returns) if len(returns) > 1 else returns.shape[1]} {what} "
                   f"{describe_returns(returns)}")
             return 0
+        if checkpoint is not None:
+            print(f"resumed at step {checkpoint['global_step']:,} (update {checkpoint['update']}) from {config.resume}",
+                  file=sys.stderr)
         return (train_atari if family == "Atari" else train_gymnax)(config, env_id, checkpoint)
     except ConfigError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)

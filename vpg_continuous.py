@@ -82,6 +82,7 @@ import dataclasses
 import difflib
 import errno
 import fcntl
+import fractions
 import inspect
 import math
 import multiprocessing as mp
@@ -102,7 +103,6 @@ from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-import cv2
 import gymnasium as gym
 import numpy as np
 import torch
@@ -209,6 +209,13 @@ class Config:
     """With `--eval`, act with the policy's mean action instead of sampling as in training."""
     capture_video: bool = False
     """With `--eval`, write each episode to an mp4 in <run dir>/videos."""
+    track: bool = False
+    """Send the run to Weights & Biases, as CleanRL does: its TensorBoard scalars, and the videos of
+    `--eval --capture-video` (needs `pip install wandb`)."""
+    wandb_project_name: str = "policy-gradients"
+    """The Weights & Biases project that `--track` sends the run to."""
+    wandb_entity: str | None = None
+    """The Weights & Biases team or user that `--track` sends the run to (default: your own)."""
 
     @property
     def batch_size(self) -> int:
@@ -1202,7 +1209,8 @@ class Workers:
 # The settings of one invocation rather than of the agent: a resumed run takes its hyperparameters
 # from the checkpoint, but these from the command line (or their defaults).
 RUN_OPTIONS = {"num_workers", "device", "start_method", "run_dir", "resume", "eval", "eval_episodes",
-               "eval_deterministic", "capture_video", "checkpoint_every"}
+               "eval_deterministic", "capture_video", "checkpoint_every",
+               "track", "wandb_project_name", "wandb_entity"}
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -1815,8 +1823,9 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
     def write_checkpoint() -> None:
         state = checkpoint_state(trainer, env_id, ranks)  # every rank takes part: it gathers their random states
         if ranks.is_main:
+            # The progress line's recent returns, so that a resumed run's line goes on from them.
             try:
-                save_checkpoint(state, checkpoint_path)
+                save_checkpoint({**state, "recent_returns": list(progress.returns)}, checkpoint_path)
             except OSError as error:
                 if error.errno != errno.ENOSPC:
                     raise
@@ -1824,14 +1833,21 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
                 raise DiskFull(f"no space left on device while writing {checkpoint_path}; "
                                f"the last checkpoint is {last}") from None
 
-    writer, progress = None, Progress(config.total_timesteps, trainer.global_step)
+    writer, progress, tracking = None, Progress(config.total_timesteps, trainer.global_step), None
+    if checkpoint is not None:
+        progress.returns.extend(checkpoint.get("recent_returns", []))  # absent from older checkpoints
     if ranks.is_main:
+        if config.track:  # before the writer, so that wandb sees its events
+            tracking = start_tracking(config, run_dir.name)
         writer = SummaryWriter(str(run_dir))
         if checkpoint is None:
             writer.add_text("hyperparameters", hyperparameter_table(config, env_id, ranks.size))
         across = f" on each of {ranks.size} ranks" if ranks.size > 1 else ""
         print(f"{env_id}: training on {device}, {config.num_envs} envs in {num_workers} workers{across}; "
               f"logs and checkpoints in {run_dir}", file=sys.stderr)
+        if checkpoint is not None:
+            print(f"resumed at step {trainer.global_step:,} (update {trainer.update}) from {config.resume}",
+                  file=sys.stderr)
     before = dict(timings)
 
     def after_update(stats: dict[str, float]) -> None:
@@ -1889,6 +1905,46 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
         ignore_interrupts()
         if writer is not None:
             writer.close()
+        if tracking is not None:
+            tracking.finish()
+
+
+# ### Experiment tracking
+#
+# `--track` sends the run to Weights & Biases, as CleanRL does. wandb mirrors every TensorBoard
+# event the run writes from `wandb.init` on (`sync_tensorboard`), so the tags are the same in both;
+# `--eval --capture-video` uploads its videos. wandb is optional, imported only for `--track`, and
+# `WANDB_MODE=offline` keeps a run on disk for a later `wandb sync`.
+
+
+def import_wandb():
+    """The `wandb` module, or a `ConfigError` that says how to install it."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("--track needs wandb: pip install wandb==0.31.0") from None
+    return wandb
+
+
+def start_tracking(config, name: str, job_type: str = "train"):
+    """A Weights & Biases run named `name` that syncs the TensorBoard events written after it starts."""
+    return import_wandb().init(project=config.wandb_project_name, entity=config.wandb_entity, name=name,
+                               job_type=job_type, config=vars(config), sync_tensorboard=True, monitor_gym=False,
+                               save_code=True)
+
+
+def track_evaluation(config, returns: list[float], videos: list[Path]) -> None:
+    """Send an evaluation to Weights & Biases: each episode's return, its mean, and the videos."""
+    wandb = import_wandb()
+    tracking = start_tracking(config, f"eval-{Path(config.eval).parent.name}", job_type="eval")
+    try:
+        for episode, episode_return in enumerate(returns):
+            tracking.log({"eval/episodic_return": episode_return}, step=episode)
+        tracking.summary["eval/mean_return"] = float(np.mean(returns))
+        if videos:
+            tracking.log({"videos": [wandb.Video(str(path), format="mp4") for path in videos]})
+    finally:
+        tracking.finish()
 
 
 # ### Evaluation and video
@@ -1942,12 +1998,40 @@ def uses_mujoco(env_id: str) -> bool:
     return isinstance(entry_point, str) and entry_point.startswith("gymnasium.envs.mujoco")
 
 
-def open_video(path: Path, frame: np.ndarray, fps: float) -> cv2.VideoWriter:
-    height, width = frame.shape[:2]
-    video = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
-    if not video.isOpened():
-        raise ConfigError(f"OpenCV cannot write {path}")
-    return video
+class Video:
+    """An mp4 file of H.264 video, written one RGB frame at a time.
+
+    H.264 in yuv420p is the video that browsers, TensorBoard and Weights & Biases play (OpenCV's
+    mp4 writer makes MPEG-4 Part 2, which Chromium refuses). PyAV (`av`) carries the x264 encoder
+    in its wheel. yuv420p keeps the colour at half resolution, so both sides must be even: an odd
+    side is padded by repeating its last row or column. `+faststart` puts the file's index first,
+    so that a browser starts playing before the whole file has arrived.
+    """
+
+    def __init__(self, path: Path, fps: float):
+        import av  # imported here: only a run that records video needs it
+
+        self.path, self.make_frame = path, av.VideoFrame.from_ndarray
+        self.file = av.open(str(path), "w", options={"movflags": "+faststart"})
+        self.stream = self.file.add_stream("libx264", rate=fractions.Fraction(fps).limit_denominator(1001))
+        self.stream.pix_fmt = "yuv420p"
+        self.shape: tuple[int, int] | None = None
+
+    def write(self, frame: np.ndarray) -> None:
+        if self.shape is None:
+            self.shape = (frame.shape[0] + frame.shape[0] % 2, frame.shape[1] + frame.shape[1] % 2)
+            self.stream.height, self.stream.width = self.shape
+        padding = ((0, self.shape[0] - frame.shape[0]), (0, self.shape[1] - frame.shape[1]), (0, 0))
+        frame = np.pad(frame, padding, mode="edge") if padding[0][1] or padding[1][1] else frame
+        self.file.mux(self.stream.encode(self.make_frame(np.ascontiguousarray(frame), format="rgb24")))
+
+    def close(self) -> None:
+        """Encode the frames x264 still holds and finish the file; a second call does nothing."""
+        if self.file is not None:
+            if self.shape is not None:
+                self.file.mux(self.stream.encode())
+            self.file.close()
+            self.file = None
 
 
 def evaluate(config: Config, env_id: str, spaces: EnvSpaces, checkpoint: dict) -> list[float]:
@@ -1965,7 +2049,13 @@ def evaluate(config: Config, env_id: str, spaces: EnvSpaces, checkpoint: dict) -
         os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
     seeds = env_seeds(config.seed + 1_000_003, config.eval_episodes)  # episodes unlike the training ones
     tasks = [Task(env_id, seed, config.max_episode_steps, render=config.capture_video) for seed in seeds]
-    videos: list[cv2.VideoWriter] = []
+    if config.capture_video and uses_mujoco(env_id):
+        # MuJoCo draws shadows into a 4096 x 4096 map by default. With no GPU (EGL on Mesa's software
+        # renderer) that map is most of a frame's cost: 1024 halves it (HalfCheetah, 480 x 480: 126 to
+        # 66 ms a frame on one CPU core), and the shadows still show.
+        for task in tasks:
+            task.env.unwrapped.model.vis.quality.shadowsize = 1024
+    videos: list[Video] = []
     try:
         for task in tasks:
             task.reset()
@@ -1974,11 +2064,11 @@ def evaluate(config: Config, env_id: str, spaces: EnvSpaces, checkpoint: dict) -
             video_dir.mkdir(parents=True, exist_ok=True)
             fps = tasks[0].env.metadata.get("render_fps") or 30
             for index, task in enumerate(tasks):
-                frame = render_frame(task, env_id)
-                videos.append(open_video(video_dir / f"eval-{gym.spec(env_id).name}-episode{index:02d}.mp4", frame, fps))
-                videos[index].write(frame)
+                videos.append(Video(video_dir / f"eval-{gym.spec(env_id).name}-episode{index:02d}.mp4", fps))
+                videos[index].write(render_frame(task, env_id))
         returns = [0.0] * len(tasks)
         playing = list(range(len(tasks)))
+        started, finished = time.perf_counter(), 0
         with torch.inference_mode():
             while playing:
                 obs = torch.from_numpy(normalizer(np.stack([tasks[i].obs for i in playing]))).to(device)
@@ -1992,26 +2082,30 @@ def evaluate(config: Config, env_id: str, spaces: EnvSpaces, checkpoint: dict) -
                         videos[i].write(render_frame(tasks[i], env_id))
                     if step.terminated or step.truncated:
                         returns[i] = step.episode_return
+                        finished += 1
+                        print(f"episode {finished}/{len(tasks)}: return {step.episode_return:.1f} "
+                              f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
                     else:
                         still_playing.append(i)
                 playing = still_playing
     finally:
         for video in videos:
-            video.release()
+            video.close()
         for task in tasks:
             task.close()
     if videos:
         print(f"videos in {video_dir}", file=sys.stderr)
+    if config.track:
+        track_evaluation(config, returns, [video.path for video in videos])
     return returns
 
 
 def render_frame(task: Task, env_id: str) -> np.ndarray:
-    """The task's frame as OpenCV wants it (BGR), or a `ConfigError` naming what rendering lacks."""
+    """The task's RGB frame, or a `ConfigError` naming what rendering lacks."""
     try:
-        frame = task.render()
+        return task.render()
     except gym.error.DependencyNotInstalled as error:
         raise ConfigError(f"cannot record {env_id}: {str(error).strip().splitlines()[0]}") from None
-    return cv2.cvtColor(np.ascontiguousarray(frame), cv2.COLOR_RGB2BGR)
 
 
 # ### main
@@ -2023,6 +2117,8 @@ def main(argv: list[str] | None = None) -> int:
     prog = "vpg_continuous.py"
     try:
         config, checkpoint = parse_config(argv)
+        if config.track:
+            import_wandb()  # here, so that a missing wandb stops the run before it starts
         env_id = resolve_env_id(config.env)
         if checkpoint is not None and checkpoint["env_id"] != env_id:
             raise ConfigError(f"checkpoint {config.resume or config.eval} was trained on {checkpoint['env_id']}, "

@@ -7,7 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-import cv2
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -15,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import ppo_atari
 from conftest import ROOT
 from processes import alive, children_of
+from videos import assert_plays
 
 SCRIPT = str(ROOT / "ppo_atari.py")
 TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate",
@@ -85,6 +85,25 @@ def test_resume_continues_on_schedule(trained, tmp_path):
     assert dict(logged["charts/clip_range"])[6144] == pytest.approx(0.1 * (1 - 5 / 6))
     checkpoint = torch.load(resumed_dir / "checkpoint.pt", weights_only=True)
     assert checkpoint["update"] == 6 and checkpoint["config"]["total_timesteps"] == 6144
+    assert f"resumed at step 4,096 (update 4) from {run_dir / 'checkpoint.pt'}" in result.stderr
+    # The progress line's recent scores go on from the first run's: its last 20 games, then the new ones.
+    first_scores = [score for _, score in scalars(run_dir)["charts/episodic_return"]]
+    new_scores = [score for _, score in logged.get("charts/episodic_return", [])]
+    assert len(first_scores) > 0
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=True)["recent_scores"] == first_scores[-20:]
+    assert checkpoint["recent_scores"] == (first_scores + new_scores)[-20:]
+
+
+def test_a_checkpoint_without_recent_scores_still_resumes(trained, tmp_path):
+    run_dir, _ = trained
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    del checkpoint["recent_scores"]  # as written before the scores were kept
+    torch.save(checkpoint, tmp_path / "old.pt")
+    result = run("--resume", tmp_path / "old.pt", "--total-timesteps", 5120, "--run-dir", tmp_path / "resumed")
+    assert result.returncode == 0, result.stderr
+    assert "resumed at step 4,096 (update 4)" in result.stderr
+    new_scores = [score for _, score in scalars(tmp_path / "resumed").get("charts/episodic_return", [])]
+    assert torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)["recent_scores"] == new_scores[-20:]
 
 
 def test_eval_plays_whole_games_and_writes_videos(trained, tmp_path):
@@ -95,10 +114,7 @@ def test_eval_plays_whole_games_and_writes_videos(trained, tmp_path):
     assert "ALE/Breakout-v5: 2 games, score" in result.stdout and "±" in result.stdout
     videos = sorted((tmp_path / "videos").glob("*.mp4"))
     assert len(videos) == 2
-    capture = cv2.VideoCapture(str(videos[0]))
-    ok, frame = capture.read()
-    assert ok and frame.shape == (420, 320, 3) and frame.max() > 0
-    assert capture.get(cv2.CAP_PROP_FRAME_COUNT) > 10
+    assert assert_plays(videos[0], 320, 420) > 10
 
 
 @pytest.mark.parametrize("args, message", [

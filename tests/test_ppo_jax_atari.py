@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-import cv2
+import flax.serialization
 import jax
 import numpy as np
 import pytest
@@ -16,6 +16,7 @@ import ppo_jax
 from conftest import ROOT
 from processes import deadline
 from ppo_jax_runs import SCRIPT, alive, children_of, environment, read_checkpoint, run, scalars  # noqa: F401 (fixtures)
+from videos import assert_plays
 
 
 @pytest.mark.parametrize("name, options", [
@@ -170,6 +171,19 @@ def test_resume_and_a_foreign_game(trained, run, tmp_path):
     assert result.returncode == 0, result.stderr
     rates = dict(scalars(tmp_path)["charts/learning_rate"])
     assert list(rates) == [768] and rates[768] == pytest.approx(2.5e-4 * (1 - 2 / 3))
+    assert f"resumed at step 512 (update 2) from {run_dir / 'checkpoint.msgpack'}" in result.stderr
+    # The progress line's recent scores go on from the first run's: its last 20 games, then the new ones.
+    first_scores = [score for _, score in scalars(run_dir)["charts/episodic_return"]]
+    new_scores = [score for _, score in scalars(tmp_path).get("charts/episodic_return", [])]
+    assert list(read_checkpoint(run_dir / "checkpoint.msgpack")["recent_scores"]) == first_scores[-20:]
+    assert list(read_checkpoint(tmp_path / "checkpoint.msgpack")["recent_scores"]) == (first_scores + new_scores)[-20:]
+    # A checkpoint written before the scores were kept resumes with none.
+    old = read_checkpoint(run_dir / "checkpoint.msgpack")
+    del old["recent_scores"]
+    (tmp_path / "old.msgpack").write_bytes(flax.serialization.msgpack_serialize(old))
+    result = run("--resume", tmp_path / "old.msgpack", "--total-timesteps", 768, "--run-dir", tmp_path / "old")
+    assert result.returncode == 0 and "resumed at step 512 (update 2)" in result.stderr, result.stderr
+    assert list(read_checkpoint(tmp_path / "old" / "checkpoint.msgpack")["recent_scores"]) == new_scores[-20:]
     result = run("--eval", run_dir / "checkpoint.msgpack", "--env", "Pong")
     assert result.returncode == 2 and "was trained on breakout, not pong" in result.stderr
 
@@ -182,10 +196,7 @@ def test_eval_plays_whole_games_and_writes_videos(trained, run, tmp_path):
     assert result.stdout.startswith("ALE/Breakout-v5: 2 games, score ") and "±" in result.stdout
     videos = sorted((tmp_path / "videos").glob("*.mp4"))
     assert len(videos) == 2
-    capture = cv2.VideoCapture(str(videos[0]))
-    ok, frame = capture.read()
-    assert ok and frame.shape == (420, 320, 3) and frame.max() > 0
-    assert capture.get(cv2.CAP_PROP_FRAME_COUNT) > 10
+    assert assert_plays(videos[0], 320, 420) > 10
 
 
 def test_ctrl_c_saves_a_checkpoint_and_leaves_no_worker(environment, tmp_path):

@@ -15,6 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import ppo_jax
 from conftest import ROOT
 from ppo_jax_runs import SCRIPT, environment, read_checkpoint, run, scalars  # noqa: F401 (fixtures)
+from videos import assert_plays
 
 TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/clip_range",
         "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/clipfrac",
@@ -81,6 +82,7 @@ def test_resume_continues_on_schedule(trained, run, tmp_path):
     run_dir, _ = trained
     result = run("--resume", run_dir / "checkpoint.msgpack", "--total-timesteps", 6144, "--run-dir", tmp_path)
     assert result.returncode == 0, result.stderr
+    assert f"resumed at step 4,096 (update 16) from {run_dir / 'checkpoint.msgpack'}" in result.stderr
     rates = dict(scalars(tmp_path / "agent-0")["charts/learning_rate"])
     assert sorted(rates) == [256 * (u + 1) for u in range(16, 24)]  # updates 17 to 24 of 24
     assert rates[256 * 17] == pytest.approx(2.5e-4 * (1 - 16 / 24))
@@ -152,6 +154,20 @@ def test_eval_plays_every_agent(trained, run):
     lines = result.stdout.strip().splitlines()
     assert lines[0].startswith("agent 0: return ") and lines[1].startswith("agent 1: return ")
     assert lines[2].startswith("CartPole-v1: 2 agents x 3 episodes, return ") and "±" in lines[2]
+
+
+def test_eval_records_the_first_agents_episodes(trained, run, tmp_path):
+    run_dir, _ = trained
+    result = run("--eval", run_dir / "checkpoint.msgpack", "--eval-episodes", 2, "--capture-video",
+                 "--run-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    videos = sorted((tmp_path / "videos").glob("*.mp4"))
+    assert [video.name for video in videos] == ["eval-CartPole-v1-episode00.mp4", "eval-CartPole-v1-episode01.mp4"]
+    # The episodes whose returns agent 0 reports: CartPole pays 1 a step, and a video shows the
+    # first state and every step but the last (gymnax resets within it), one frame per point of return.
+    mean_return = float(result.stdout.splitlines()[0].split("return ")[1].split(" ")[0])
+    frames = [assert_plays(video, 600, 400) for video in videos]
+    assert sum(frames) == round(2 * mean_return) and all(frame_count > 1 for frame_count in frames)
 
 
 def test_a_truncated_episode_bootstraps_from_its_final_observation():
@@ -235,7 +251,7 @@ def test_bad_input_through_the_command_line(run, args, message):
     (["--total-timesteps", "100"], "less than one batch"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
-    (["--capture-video"], "--capture-video records Atari evaluation games"),
+    (["--capture-video"], "--capture-video records evaluation episodes; use it with --eval"),
     (["--env", "Breakout", "--num-seeds", "4"], "an Atari run trains one agent"),
     (["--eval", "missing.msgpack"], "checkpoint missing.msgpack does not exist"),
     (["--eval", "a.msgpack", "--resume", "b.msgpack"], "cannot be used together"),

@@ -15,6 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import vpg_continuous as vpg
 from conftest import ROOT
 from processes import alive, children_of
+from videos import assert_plays
 
 SCRIPT = str(ROOT / "vpg_continuous.py")
 TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate",
@@ -109,6 +110,27 @@ def test_resume_continues_on_schedule(trained, tmp_path):
     assert checkpoint["update"] == 6 and checkpoint["config"]["total_timesteps"] == 6144
     # The statistics carried on from the checkpoint: its 4,100 observations, then 4 + 2,048 more.
     assert checkpoint["obs_normalizer"]["count"] == 4100 + 4 + 2048
+    assert f"resumed at step 4,096 (update 4) from {run_dir / 'checkpoint.pt'}" in result.stderr
+    # The progress line's recent returns go on from the first run's: its last 20 episodes, then the new ones.
+    first_returns = [value for _, value in scalars(run_dir)["charts/episodic_return"]]
+    new_returns = [value for _, value in scalars(resumed_dir)["charts/episodic_return"]]
+    assert len(first_returns) > 0 and len(new_returns) > 0
+    first_checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert first_checkpoint["recent_returns"] == pytest.approx(first_returns[-20:])
+    assert checkpoint["recent_returns"] == pytest.approx((first_returns + new_returns)[-20:])
+
+
+def test_a_checkpoint_without_recent_returns_still_resumes(trained, tmp_path):
+    run_dir, _ = trained
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    del checkpoint["recent_returns"]  # as written before the returns were kept
+    torch.save(checkpoint, tmp_path / "old.pt")
+    result = run("--resume", tmp_path / "old.pt", "--total-timesteps", 5120, "--run-dir", tmp_path / "resumed")
+    assert result.returncode == 0, result.stderr
+    assert "resumed at step 4,096 (update 4)" in result.stderr
+    new_returns = [value for _, value in scalars(tmp_path / "resumed")["charts/episodic_return"]]
+    resumed = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)
+    assert resumed["recent_returns"] == pytest.approx(new_returns[-20:])
 
 
 def test_eval_plays_whole_episodes_and_writes_videos(trained, tmp_path):
@@ -120,10 +142,11 @@ def test_eval_plays_whole_episodes_and_writes_videos(trained, tmp_path):
     assert "Traceback" not in result.stderr and "ALSA" not in result.stderr
     videos = sorted((tmp_path / "videos").glob("*.mp4"))
     assert [video.name for video in videos] == ["eval-Pendulum-episode00.mp4", "eval-Pendulum-episode01.mp4"]
-    capture = cv2.VideoCapture(str(videos[0]))
-    ok, frame = capture.read()
+    ok, frame = cv2.VideoCapture(str(videos[0])).read()
     assert ok and frame.shape == (500, 500, 3) and frame.min() < 100 < frame.max()
-    assert capture.get(cv2.CAP_PROP_FRAME_COUNT) == 31  # the first frame and one per step
+    assert_plays(videos[0], 500, 500, frames=31)  # the first frame and one per step
+    assert [line.split(":")[0] for line in result.stderr.splitlines() if line.startswith("episode ")] == [
+        "episode 1/2", "episode 2/2"]
 
 
 def test_the_default_mujoco_env_trains_evaluates_and_records(tmp_path):
@@ -138,9 +161,7 @@ def test_the_default_mujoco_env_trains_evaluates_and_records(tmp_path):
     result = run("--eval", checkpoint, "--eval-episodes", 2, "--max-episode-steps", 10, "--capture-video")
     if result.returncode == 0:
         assert "HalfCheetah-v5: 2 episodes, return" in result.stdout
-        capture = cv2.VideoCapture(str(tmp_path / "videos" / "eval-HalfCheetah-episode00.mp4"))
-        ok, frame = capture.read()
-        assert ok and frame.shape == (480, 480, 3) and capture.get(cv2.CAP_PROP_FRAME_COUNT) == 11
+        assert_plays(tmp_path / "videos" / "eval-HalfCheetah-episode00.mp4", 480, 480, frames=11)
     else:  # a machine with no OpenGL MuJoCo can use: one line that says what to install
         one_line_error(result.returncode, result.stderr, "install")
 

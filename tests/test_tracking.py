@@ -1,0 +1,78 @@
+"""`--track`: each script sends its run to Weights & Biases, tested offline (WANDB_MODE=offline).
+
+wandb is an optional dependency, not in requirements.txt: where it is not installed, the offline
+runs are skipped, and the one-line message that asks for it is still tested."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+# A tiny training run of each script, as short as its command line allows.
+TINY = {
+    "ppo_atari": ["--env", "Breakout", "--total-timesteps", 1024, "--num-envs", 4, "--num-steps", 256,
+                  "--max-episode-frames", 400, "--num-workers", 2],
+    "vpg_continuous": ["--env", "Pendulum-v1", "--total-timesteps", 1024, "--num-envs", 4, "--num-steps", 256,
+                       "--num-workers", 2],
+    "ppo_jax": ["--env", "CartPole-v1", "--total-timesteps", 1024, "--num-steps", 64],
+}
+
+
+# The script run as from the command line, in a Python where `import wandb` fails.
+WITHOUT_WANDB = ("import runpy, sys; sys.modules['wandb'] = None; sys.argv = sys.argv[1:]; "
+                 "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+@pytest.mark.parametrize("script", list(TINY))
+def test_track_without_wandb_is_one_line_before_anything_starts(script, tmp_path):
+    result = subprocess.run([sys.executable, "-c", WITHOUT_WANDB, str(ROOT / f"{script}.py"), *map(str, TINY[script]),
+                             "--track", "--run-dir", str(tmp_path / "run")], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [f"{script}.py: error: --track needs wandb: pip install wandb==0.31.0"]
+    assert not (tmp_path / "run").exists()
+
+
+def offline_runs(wandb_dir: Path) -> list[Path]:
+    return sorted((wandb_dir / "wandb").glob("offline-run-*"))
+
+
+def run_offline(script: str, wandb_dir: Path, *args) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"}
+    return subprocess.run([sys.executable, str(ROOT / f"{script}.py"), *map(str, args)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env=environment)
+
+
+@pytest.mark.parametrize("script", list(TINY))
+def test_track_offline_keeps_the_tensorboard_scalars_and_the_config(script, tmp_path):
+    pytest.importorskip("wandb")
+    result = run_offline(script, tmp_path, *TINY[script], "--track", "--wandb-project-name", "tests",
+                         "--run-dir", tmp_path / "run")
+    assert result.returncode == 0, result.stderr
+    runs = offline_runs(tmp_path)
+    assert len(runs) == 1
+    # The run's record holds what was synced from TensorBoard, under TensorBoard's tag names, and the config.
+    record = b"".join(path.read_bytes() for path in runs[0].glob("*.wandb"))
+    for tag in [b"losses/policy_loss", b"charts/learning_rate", b"charts/SPS", b"total_timesteps"]:
+        assert tag in record, tag
+    assert b"tests" in record  # the project named on the command line
+    # The script itself (`save_code`), so that the run records the code that made it.
+    assert f"{script}.py" in [path.name for path in runs[0].rglob("*") if path.is_file()]
+
+
+def test_track_uploads_the_videos_of_an_evaluation(tmp_path):
+    pytest.importorskip("wandb")
+    result = run_offline("vpg_continuous", tmp_path, *TINY["vpg_continuous"], "--run-dir", tmp_path / "run")
+    assert result.returncode == 0, result.stderr
+    result = run_offline("vpg_continuous", tmp_path, "--eval", tmp_path / "run" / "checkpoint.pt", "--eval-episodes", 2,
+                         "--max-episode-steps", 20, "--capture-video", "--track")
+    assert result.returncode == 0, result.stderr
+    runs = offline_runs(tmp_path)
+    assert len(runs) == 1
+    uploaded = sorted(path for path in runs[0].rglob("*.mp4"))
+    assert len(uploaded) == 2, uploaded
+    assert b"eval/episodic_return" in b"".join(path.read_bytes() for path in runs[0].glob("*.wandb"))
