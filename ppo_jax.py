@@ -1400,24 +1400,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The range of every number on the command line, checked by `check_config`: (smallest, largest), both
+# allowed; `POSITIVE` as the smallest allows anything above 0. Every number must also be finite, and a
+# count of updates fit the 32-bit integers that JAX counts in.
+POSITIVE = math.ulp(0.0)
+LARGEST_COUNT = 2**31 - 1
+NUMBER_RANGES: dict[str, tuple[float, float]] = {
+    **{name: (1, LARGEST_COUNT) for name in ["num_seeds", "num_envs", "num_steps", "num_minibatches",
+                                               "update_epochs", "frame_skip", "max_episode_frames",
+                                               "checkpoint_every", "eval_episodes"]},
+    "total_timesteps": (1, math.inf),
+    **{name: (0, LARGEST_COUNT) for name in ["noop_max", "num_workers"]},
+    "seed": (0, 2**32 - 1),
+    **{name: (POSITIVE, math.inf) for name in ["learning_rate", "clip_range", "max_grad_norm", "target_kl"]},
+    **{name: (0, 1) for name in ["gamma", "gae_lambda", "sticky_actions"]},
+    **{name: (0, math.inf) for name in ["ent_coef", "vf_coef"]},
+}
+
+
+def check_number(name: str, value: float) -> None:
+    """Refuse `value` for the field `name` unless it is finite and in its range (`NUMBER_RANGES`)."""
+    smallest, largest = NUMBER_RANGES[name]
+    flag = "--" + name.replace("_", "-")
+    if not math.isfinite(value):
+        raise ConfigError(f"{flag} must be a finite number, not {value}")
+    if smallest <= value <= largest:
+        return
+    if largest not in (math.inf, LARGEST_COUNT):
+        raise ConfigError(f"{flag} must be in [{smallest}, {largest}], not {value}")
+    if value > largest:
+        raise ConfigError(f"{flag} must be at most {largest:,}, not {value:,}")
+    raise ConfigError(f"{flag} must {'not be negative' if smallest == 0 else 'be positive'}, not {value}")
+
+
 def check_config(config: RunConfig, family: str) -> None:
     """Refuse settings that cannot work, before any process starts or anything compiles."""
-    positive = ["num_seeds", "total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs",
-                "frame_skip", "max_episode_frames", "checkpoint_every", "eval_episodes"]
-    for name in positive:
-        if getattr(config, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
-    for name in ["learning_rate", "clip_range", "max_grad_norm"]:
-        if not getattr(config, name) > 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
-    for name in ["gamma", "gae_lambda", "sticky_actions"]:
-        if not 0 <= getattr(config, name) <= 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1], not {getattr(config, name)}")
-    for name in ["ent_coef", "vf_coef", "noop_max", "num_workers"]:
-        if getattr(config, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must not be negative, not {getattr(config, name)}")
-    if config.target_kl is not None and not config.target_kl > 0:
-        raise ConfigError(f"--target-kl must be positive, not {config.target_kl}")
+    for name in NUMBER_RANGES:
+        if getattr(config, name) is not None:
+            check_number(name, getattr(config, name))
+    if config.num_updates > LARGEST_COUNT:
+        raise ConfigError(f"--total-timesteps {config.total_timesteps:,} makes {config.num_updates:,} updates, more "
+                          f"than the {LARGEST_COUNT:,} that the run can count")
+    if config.run_dir is not None and Path(config.run_dir).exists() and not Path(config.run_dir).is_dir():
+        raise ConfigError(f"--run-dir {config.run_dir} is a file, not a directory")
     if config.batch_size % config.num_minibatches:
         raise ConfigError(f"the batch of {config.num_envs} envs x {config.num_steps} steps = {config.batch_size} "
                           f"does not split into {config.num_minibatches} minibatches")
