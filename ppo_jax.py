@@ -35,8 +35,9 @@ What JAX changes about writing RL, as this page meets it:
 * **Compile once, for one shape.** A new shape compiles again, so shapes are fixed everywhere:
   evaluation steps every game, finished or not; the last, shorter chunk of a run skips its extra
   updates with `lax.cond` instead of compiling a shorter program.
-* **The host is far away.** A compiled run cannot write a TensorBoard event or a checkpoint: the
-  command line runs it a chunk (`--checkpoint-every` updates) at a time and does those between.
+* **The host is far away.** A compiled run cannot write a TensorBoard event or a checkpoint, and
+  a Ctrl-C cannot reach it: the command line runs it a chunk (two seconds' worth of updates or so)
+  at a time and does those between.
 
 What to expect, measured on this project's 2-core CPU (the README has the commands and the
 figures): CartPole-v1's default run, 500,000 steps of 4 environments x 128 steps, traces and
@@ -77,6 +78,7 @@ import argparse
 import ast
 import ctypes
 import dataclasses
+import fcntl
 import functools
 import difflib
 import fractions
@@ -506,8 +508,9 @@ def explained_variance(predictions: jax.Array, targets: jax.Array) -> jax.Array:
 # the same function: `update_agent` turns a rollout into advantages and runs `update_epochs` passes
 # of shuffled minibatches over it. In PyTorch these are two `for` loops; here they are two nested
 # scans, the outer over epochs (each with its own shuffle), the inner over minibatches. A scan has no
-# `break`, so the two ways an update can end early, a KL divergence past `--target-kl` and a
-# non-finite gradient, become a flag in the carry that turns the remaining steps into no-ops.
+# `break`, so the two ways an update can end early, a KL divergence past `--target-kl` and a step
+# that has diverged (`diverged`, below), become flags in the carry that turn the remaining steps
+# into no-ops.
 
 
 class Agent(NamedTuple):
@@ -551,6 +554,27 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optax.scale_by_adam(eps=1e-5))
 
 
+# The largest step a minibatch step may take, in root mean square over the weights (see `diverged`).
+MAX_STEP_RMS = 1.0
+
+
+def diverged(loss: jax.Array, agent: Agent, step_rms: jax.Array) -> jax.Array:
+    r"""Whether a minibatch step has broken the agent, so that it must not be kept: the run has diverged.
+
+    Two things count. A loss, parameter or moment of Adam that is NaN or infinite: no step recovers
+    from one. And a step that moves the weights by more than `MAX_STEP_RMS` = 1 in root mean square,
+    $\lVert\Delta\theta\rVert / \sqrt n > 1$ over the $n$ weights. Adam moves each weight by about the
+    learning rate (2.5e-4 here), and the weights start at a tenth or so each: a rate that trains
+    moves them by far less than 1. The second rule is for the run that breaks with every number
+    finite: at a learning rate of 1e10 the first step throws the weights to 1e10, the values to
+    1e11 and the policy to certainty, and the run would go on to its end that way, learning nothing.
+    A run that only learns badly (a policy that collapses slowly, say) is not flagged: that is for
+    its curves to show.
+    """
+    finite = jnp.isfinite(loss) & jnp.all(jnp.array([jnp.isfinite(x).all() for x in jax.tree.leaves(agent)]))
+    return ~finite | (step_rms > MAX_STEP_RMS)
+
+
 def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformation, config: Config) -> Callable:
     """`update_agent(agent, rollout, key, learning_rate, clip_range) -> (agent, metrics)`: one PPO update, pure.
 
@@ -577,31 +601,33 @@ def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformatio
         def minibatch_step(carry: tuple, indices: jax.Array) -> tuple[tuple, tuple]:
             agent, stopped, broken = carry
             minibatch = jax.tree.map(lambda x: x[indices], batch)
-            (_, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(agent.params, minibatch, clip_range)
+            (loss, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(agent.params, minibatch, clip_range)
             if config.target_kl is not None:
                 stopped = stopped | (terms["approx_kl"] > config.target_kl)
-            broken = broken | ~jnp.isfinite(optax.tree.norm(grads))
-            take = ~(stopped | broken)
             direction, opt_state = optimizer.update(grads, agent.opt_state)
             # Adam's step: $\theta \leftarrow \theta - \alpha_k \cdot \mathrm{direction}$, with this update's rate $\alpha_k$.
-            params = optax.apply_updates(agent.params, jax.tree.map(lambda d: -learning_rate * d, direction))
-            agent = jax.tree.map(lambda new, old: jnp.where(take, new, old), Agent(params, opt_state), agent)
-            return (agent, stopped, broken), (terms, take)
+            step = jax.tree.map(lambda d: -learning_rate * d, direction)
+            stepped = Agent(optax.apply_updates(agent.params, step), opt_state)
+            step_rms = optax.tree.norm(step) / math.sqrt(sum(x.size for x in jax.tree.leaves(step)))
+            broken = broken | (~stopped & diverged(loss, stepped, step_rms))
+            take = ~(stopped | broken)
+            agent = jax.tree.map(lambda new, old: jnp.where(take, new, old), stepped, agent)
+            return (agent, stopped, broken), (terms, take, step_rms)
 
         def epoch(carry: tuple, key: jax.Array) -> tuple[tuple, tuple]:
             order = jax.random.permutation(key, config.batch_size)
             return jax.lax.scan(minibatch_step, carry, order.reshape(config.num_minibatches, config.minibatch_size))
 
         carry = (agent, jnp.array(False), jnp.array(False))
-        (agent, stopped, broken), (terms, taken) = jax.lax.scan(epoch, carry,
-                                                                 jax.random.split(key, config.update_epochs))
+        (agent, stopped, broken), (terms, taken, step_rms) = jax.lax.scan(epoch, carry,
+                                                                           jax.random.split(key, config.update_epochs))
         # Means over the minibatch steps taken, as the PyTorch loop averages the steps it ran.
         count = taken.sum()
         losses = {name: jnp.where(count > 0, jnp.where(taken, value, 0.0).sum() / count, jnp.nan)
                   for name, value in terms.items() if name != "loss"}
         losses["explained_variance"] = explained_variance(batch.values, batch.returns)
         return agent, dict(losses=losses, learning_rate=learning_rate, clip_range=clip_range, stopped_early=stopped,
-                           nonfinite=broken)
+                           diverged=broken, largest_step=step_rms.max())
 
     return update_agent
 
@@ -988,7 +1014,11 @@ def run_worker(connection: Connection, env_id: str, seeds: np.ndarray, first_env
     It answers each command (`reset`, `step`, `close`) with `ok` once its games' rows of the shared
     arrays are written, or with `error` and its traceback.
     """
+    # Signals are the main process's to handle (Part 3), and a forked worker would inherit its way of
+    # watching for them: Ctrl-C is ignored here, and SIGTERM stops a worker as it stops any process.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)
     cv2.setNumThreads(1)
     parent = mp.parent_process()
     try:
@@ -1256,9 +1286,8 @@ class AtariTrainer:
                                            linear_schedule(self.config.learning_rate, self.update, self.config.num_updates),
                                            linear_schedule(self.config.clip_range, self.update, self.config.num_updates))
         metrics = jax.tree.map(float, jax.device_get(metrics))
-        if metrics["nonfinite"]:
-            raise NonFiniteError(f"the loss or its gradient became non-finite at update {self.update + 1}; "
-                                 "no step was taken from there on")
+        if metrics["diverged"]:
+            raise DivergedError.at(self.update + 1, metrics["largest_step"])
         self.agent = agent
         self.update += 1
         self.timings["update"] += time.perf_counter() - started
@@ -1408,24 +1437,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The range of every number on the command line, checked by `check_config`: (smallest, largest), both
+# allowed; `POSITIVE` as the smallest allows anything above 0. Every number must also be finite, and a
+# count of updates fit the 32-bit integers that JAX counts in.
+POSITIVE = math.ulp(0.0)
+LARGEST_COUNT = 2**31 - 1
+NUMBER_RANGES: dict[str, tuple[float, float]] = {
+    **{name: (1, LARGEST_COUNT) for name in ["num_seeds", "num_envs", "num_steps", "num_minibatches",
+                                               "update_epochs", "frame_skip", "max_episode_frames",
+                                               "checkpoint_every", "eval_episodes"]},
+    "total_timesteps": (1, math.inf),
+    **{name: (0, LARGEST_COUNT) for name in ["noop_max", "num_workers"]},
+    "seed": (0, 2**32 - 1),
+    **{name: (POSITIVE, math.inf) for name in ["learning_rate", "clip_range", "max_grad_norm", "target_kl"]},
+    **{name: (0, 1) for name in ["gamma", "gae_lambda", "sticky_actions"]},
+    **{name: (0, math.inf) for name in ["ent_coef", "vf_coef"]},
+}
+
+
+def check_number(name: str, value: float) -> None:
+    """Refuse `value` for the field `name` unless it is finite and in its range (`NUMBER_RANGES`)."""
+    smallest, largest = NUMBER_RANGES[name]
+    flag = "--" + name.replace("_", "-")
+    if not math.isfinite(value):
+        raise ConfigError(f"{flag} must be a finite number, not {value}")
+    if smallest <= value <= largest:
+        return
+    if largest not in (math.inf, LARGEST_COUNT):
+        raise ConfigError(f"{flag} must be in [{smallest}, {largest}], not {value}")
+    if value > largest:
+        raise ConfigError(f"{flag} must be at most {largest:,}, not {value:,}")
+    raise ConfigError(f"{flag} must {'not be negative' if smallest == 0 else 'be positive'}, not {value}")
+
+
 def check_config(config: RunConfig, family: str) -> None:
     """Refuse settings that cannot work, before any process starts or anything compiles."""
-    positive = ["num_seeds", "total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs",
-                "frame_skip", "max_episode_frames", "checkpoint_every", "eval_episodes"]
-    for name in positive:
-        if getattr(config, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
-    for name in ["learning_rate", "clip_range", "max_grad_norm"]:
-        if not getattr(config, name) > 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
-    for name in ["gamma", "gae_lambda", "sticky_actions"]:
-        if not 0 <= getattr(config, name) <= 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1], not {getattr(config, name)}")
-    for name in ["ent_coef", "vf_coef", "noop_max", "num_workers"]:
-        if getattr(config, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must not be negative, not {getattr(config, name)}")
-    if config.target_kl is not None and not config.target_kl > 0:
-        raise ConfigError(f"--target-kl must be positive, not {config.target_kl}")
+    for name in NUMBER_RANGES:
+        if getattr(config, name) is not None:
+            check_number(name, getattr(config, name))
+    if config.num_updates > LARGEST_COUNT:
+        raise ConfigError(f"--total-timesteps {config.total_timesteps:,} makes {config.num_updates:,} updates, more "
+                          f"than the {LARGEST_COUNT:,} that the run can count")
+    if config.run_dir is not None and Path(config.run_dir).exists() and not Path(config.run_dir).is_dir():
+        raise ConfigError(f"--run-dir {config.run_dir} is a file, not a directory")
     if config.batch_size % config.num_minibatches:
         raise ConfigError(f"the batch of {config.num_envs} envs x {config.num_steps} steps = {config.batch_size} "
                           f"does not split into {config.num_minibatches} minibatches")
@@ -1618,17 +1672,38 @@ def checkpoint_state(config: Config, env_id: str, update: int, global_step: int,
 
 
 def save_checkpoint(state: dict, path: Path) -> None:
-    """Write `state` to `path` atomically: to a temporary file first, then renamed over it."""
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as file:
-        file.write(flax.serialization.msgpack_serialize(state))
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
+    """Write `state` to `path` atomically: to a temporary file first, then renamed over it.
+
+    The temporary file's name is this writer's own (its process id and a random part), so that two
+    writers never meet in one. If the write fails (a full disk, say), the temporary file is removed,
+    whatever was at `path` stays as it was, and the `OSError` raised names `path`.
+    """
+    temporary = path.with_name(f"{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    try:
+        with open(temporary, "xb") as file:
+            file.write(flax.serialization.msgpack_serialize(state))
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException as error:
+        temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise naming(error, path) from error
+        raise
+
+
+def naming(error: OSError, path: Path) -> OSError:
+    """`error` again, naming `path`: the file (or directory) that could not be written, for the run's one line."""
+    return OSError(error.errno, error.strerror, str(path))
 
 
 def load_checkpoint(path: str) -> dict:
-    """Read a checkpoint of this script, or raise a `ConfigError`."""
+    """Read a checkpoint of this script, or raise a `ConfigError`.
+
+    Besides its format, it must hold every field that the command line reads from it: the settings
+    of `AtariConfig`, the counters and the agent's parameters. (The rest of its trees is checked as
+    they are restored, by `restore_tree`.)
+    """
     if not Path(path).is_file():
         raise ConfigError(f"checkpoint {path} does not exist")
     try:
@@ -1638,6 +1713,16 @@ def load_checkpoint(path: str) -> dict:
                           f"({type(error).__name__})") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{path} is not a ppo_jax.py checkpoint")
+    trees = ([("runners", "agent", "params")] if checkpoint.get("env_id") in GYMNAX_FAMILIES
+             else [("agent", "params"), ("key",)])
+    for names in [("env_id",), ("update",), ("global_step",),
+                  *[("config", field.name) for field in dataclasses.fields(AtariConfig)], *trees]:
+        node = checkpoint
+        for name in names:
+            if not isinstance(node, dict) or name not in node:
+                raise ConfigError(f"checkpoint {path} has no {'.'.join(names)}: it is damaged, or from another "
+                                  f"version of {PROG}")
+            node = node[name]
     return checkpoint
 
 
@@ -1664,16 +1749,27 @@ def restore_tree(template: Any, state: Any, path: str) -> Any:
 
 
 class EventWriter:
-    """Scalars and text in a TensorBoard event file in `directory`."""
+    """Scalars and text in a TensorBoard event file in `directory`.
+
+    tensorboard's writer writes from a thread of its own. A write that fails there (on a full disk,
+    say) comes back at the next event, or at `close`, as an `OSError` that names `directory`.
+    """
 
     def __init__(self, directory: Path):
         directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
         # Looked up when used, not imported by name: `--track` replaces it with a writer that wandb watches.
         self.writer = event_file_writer.EventFileWriter(str(directory))
 
+    def add_event(self, event: Event) -> None:
+        try:
+            self.writer.add_event(event)
+        except OSError as error:
+            raise naming(error, self.directory) from error
+
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
-        self.writer.add_event(Event(summary=summary, step=int(step), wall_time=time.time()))
+        self.add_event(Event(summary=summary, step=int(step), wall_time=time.time()))
 
     def add_text(self, tag: str, text: str) -> None:
         """Markdown shown in TensorBoard's text tab, under `<tag>/text_summary` as PyTorch's writer names it."""
@@ -1682,10 +1778,15 @@ class EventWriter:
         tensor = TensorProto(dtype="DT_STRING", string_val=[text.encode()],
                              tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)]))
         summary = Summary(value=[Summary.Value(tag=f"{tag}/text_summary", metadata=metadata, tensor=tensor)])
-        self.writer.add_event(Event(summary=summary, step=0, wall_time=time.time()))
+        self.add_event(Event(summary=summary, step=0, wall_time=time.time()))
 
     def close(self) -> None:
-        self.writer.close()
+        try:
+            self.writer.flush()  # raises what the thread could not write
+        except OSError as error:
+            raise naming(error, self.directory) from error
+        finally:
+            self.writer.close()
 
 
 def log_update(writer: EventWriter, metrics: dict[str, float], step: int) -> None:
@@ -1702,7 +1803,15 @@ def log_episodes(writer: EventWriter, episodic_return: float, episodic_length: f
 
 
 class Progress:
-    """One line on the terminal: steps done, speed, time left, recent returns."""
+    """One line on the terminal: steps done, speed, time left, recent returns.
+
+    On a terminal the line is redrawn at every `show`. In a log (stderr not a terminal) a new line
+    is written when waiting for the next `show`, as long as since the last one, would leave more
+    than `interval` seconds since the last line: lines come at most `interval` seconds apart, if
+    `show` is called more often than that, and not much more often.
+    """
+
+    interval = 10.0
 
     def __init__(self, total: int, start_step: int, agents: int = 1, unit: str = "games"):
         self.total, self.start_step, self.agents, self.unit = total, start_step, agents, unit
@@ -1712,7 +1821,7 @@ class Progress:
 
     def restart(self) -> None:
         """Count speed from now on (after compiling, say)."""
-        self.started = self.last_print = time.perf_counter()
+        self.started = self.last_print = self.last_show = time.perf_counter()
 
     def steps_per_second(self, step: int) -> float:
         """Environment steps per second, summed over all agents."""
@@ -1720,7 +1829,9 @@ class Progress:
 
     def show(self, step: int, final: bool = False) -> None:
         now = time.perf_counter()
-        if not (self.interactive or final or now - self.last_print >= 10.0):
+        next_show = now + (now - self.last_show)
+        self.last_show = now
+        if not (self.interactive or final or next_show - self.last_print > self.interval):
             return
         self.last_print = now
         sps = self.steps_per_second(step)
@@ -1748,56 +1859,121 @@ def hyperparameter_table(config: Config, env_id: str) -> str:
 
 # ### Ctrl-C and SIGTERM
 #
-# The first Ctrl-C (or SIGTERM) asks the run to stop at the next safe point, with a checkpoint; a
-# second one aborts without it. This script runs in one process, so a second signal is always a
-# second request (`same_within=0.0`). Neither can interrupt a compiled chunk of the run halfway: both
-# take effect when it returns to Python (`--checkpoint-every` sets how long a chunk is).
+# Before training begins there is nothing to save, and Ctrl-C (or SIGTERM) exits at once. During
+# training, the first asks the run to stop at the next safe point, the end of the chunk being
+# computed (two seconds or so away: see `train_gymnax`), where it writes a checkpoint and exits; a
+# second aborts at once and writes none. The exit status is 128 plus the signal's number, 130 for
+# Ctrl-C and 143 for SIGTERM, and the message names the last checkpoint, one that exists, or says
+# that none was written.
+#
+# Python runs a signal's handler between two steps of the main thread's bytecode, and this script's
+# main thread spends its time inside XLA, compiling for many seconds or waiting for a chunk of the
+# run, where no bytecode runs: a handler would wait for XLA to be done. So the handler here does
+# nothing, and a thread does the work. Python writes the number of every signal it receives to a
+# pipe (`signal.set_wakeup_fd`); the thread waits on the pipe and is woken at once, since XLA lets
+# go of Python's lock while it works. To exit at once the thread calls `os._exit`, which raises
+# nothing: an exception from a handler (`KeyboardInterrupt`) lands wherever the main thread happens
+# to be, and inside a finalizer Python can only print it as "Exception ignored" and go on.
 
 
 class StopRequest:
-    """Turns Ctrl-C (SIGINT) and SIGTERM into a request to stop at the next safe point.
+    """Ctrl-C (SIGINT) and SIGTERM for the life of a training run: a request to stop at the next safe point, or an exit.
 
-    Training then saves a checkpoint and exits. A second signal aborts at once, unless it comes
-    within `same_within` seconds of the first: under torchrun a terminal's Ctrl-C reaches each rank
-    twice, from the terminal and passed on by torchrun, and the two are one request.
+    Until `training` is set, a signal exits at once. After, the first one sets the request (`stop()`
+    is then true) and a second exits at once. An exit names `last_checkpoint()`, and waits for a
+    checkpoint being written (while `writing` is held) to be whole first.
     """
 
-    def __init__(self, announce: bool = True, same_within: float = 0.0):
+    def __init__(self):
         self.signal: int | None = None
-        self.received = 0.0
-        self.announce, self.same_within = announce, same_within
+        self.training = False
+        self.last_checkpoint: Callable[[], Path | None] = lambda: None
+        self.writing = threading.Lock()
 
     def __call__(self) -> bool:
         return self.signal is not None
 
     def __enter__(self) -> StopRequest:
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self.previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self.pipe = os.pipe()
+        os.set_blocking(self.pipe[1], False)
+        self.previous_wakeup = signal.set_wakeup_fd(self.pipe[1])
+        self.watcher = threading.Thread(target=self._watch, name="signals", daemon=True)
+        self.watcher.start()
         return self
 
-    def _handle(self, signum: int, frame) -> None:
-        if self.signal is None:
-            self.signal, self.received = signum, time.monotonic()
-            if self.announce:
-                print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
-                      "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
-        elif time.monotonic() - self.received >= self.same_within:
-            raise KeyboardInterrupt
+    def _watch(self) -> None:
+        while (received := os.read(self.pipe[0], 1)) != b"\0":  # a zero byte: `__exit__` asks the thread to end
+            self._handle(received[0])
+
+    def _handle(self, signum: int) -> None:
+        if self.training and self.signal is None:
+            self.signal = signum
+            print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
+                  "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+            return
+        why = "aborted by a second interrupt" if self.signal is not None else "interrupted before training began"
+        with self.writing:
+            last = self.last_checkpoint()
+            print(f"\n{why}: no checkpoint written now; " + (f"the last one is {last}" if last else "none was written"),
+                  file=sys.stderr, flush=True)
+            os._exit(128 + signum)
 
     def __exit__(self, *exc_info) -> None:
+        signal.set_wakeup_fd(self.previous_wakeup)
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        os.write(self.pipe[1], b"\0")
+        self.watcher.join()
+        for end in self.pipe:
+            os.close(end)
 
 
 # ### The training runs
 #
-# The two runs differ in how a rollout is produced and share the rest: the run directory,
-# TensorBoard's first event (a table of the hyperparameters), the checkpoint file and how a run ends.
+# The two runs differ in how a rollout is produced and share the rest: the run directory and its
+# lock, TensorBoard's first event (a table of the hyperparameters), the checkpoint file and how a
+# run ends, well or not. Every way a run can end is one line on stderr and an exit status:
+#
+# | how it ends | status | the line |
+# |---|---|---|
+# | all its updates done | 0 | `done: N steps; checkpoint in PATH` |
+# | Ctrl-C or SIGTERM | 130 or 143 | `stopped at update K; resume with --resume PATH` |
+# | a worker failed (Atari) | 1 | the worker's traceback, then where the checkpoint was saved |
+# | the update diverged (`diverged`, Part 1) | 1 | `diverged at update K ...; the last good checkpoint is PATH` |
+# | a file could not be written (a full disk) | 1 | `ppo_jax.py: error: no space left on device while writing PATH; ...` |
+#
+# Two runs must not share a directory: they would write over each other's checkpoint. Each run
+# holds a lock on its directory (`lock_run_dir`) for as long as it lives, and a second run there is
+# refused; so is a run resumed from one checkpoint into a directory that holds another.
+
+
+def lock_run_dir(directory: Path) -> typing.IO:
+    """Lock `directory` for this process (`directory/run.lock`, held while the file returned is open), or raise.
+
+    The lock is `flock`'s, which the system lets go of when its holder exits, however it exits: a
+    run that crashed or was killed leaves nothing to clean up. The file holds the holder's process
+    id, which the error names.
+    """
+    file = open(directory / "run.lock", "a+")
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.seek(0)
+        holder = file.read().strip() or "unknown"
+        file.close()
+        raise ConfigError(f"{directory} is in use by another run (process {holder})") from None
+    file.truncate(0)
+    file.write(f"{os.getpid()}\n")
+    file.flush()
+    return file
 
 
 class Run:
-    """The run directory, its TensorBoard writers and checkpoint path, and how a run ends."""
+    """The run directory, its lock, TensorBoard writers and checkpoint, and how a run ends."""
 
-    def __init__(self, config: RunConfig, env_id: str, checkpoint: dict | None, seed_writers: int = 0):
+    def __init__(self, config: RunConfig, env_id: str, checkpoint: dict | None, stop: StopRequest,
+                 seed_writers: int = 0):
         if checkpoint is not None:
             self.dir = Path(config.run_dir or Path(config.resume).parent)
         elif config.run_dir:
@@ -1806,11 +1982,25 @@ class Run:
             name = gym.spec(env_id).name if env_id not in GYMNAX_FAMILIES else env_id
             self.dir = Path("runs") / f"{name}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
         self.checkpoint_path = self.dir / "checkpoint.msgpack"
-        if checkpoint is None and self.checkpoint_path.exists():
-            raise ConfigError(f"{self.dir} already holds a checkpoint; resume it with --resume "
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ConfigError(f"cannot create the run directory {self.dir}: {error.strerror}") from None
+        self.lock = lock_run_dir(self.dir)
+        if self.checkpoint_path.exists() and (checkpoint is None or not self.checkpoint_path.samefile(config.resume)):
+            other = "" if checkpoint is None else f" of another run than {config.resume}"
+            self.lock.close()
+            raise ConfigError(f"{self.dir} already holds a checkpoint{other}; resume it with --resume "
                               f"{self.checkpoint_path} or choose another --run-dir")
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.config, self.env_id, self.resumed = config, env_id, checkpoint is not None
+        self.stop = stop
+        stop.last_checkpoint = self.last_checkpoint
+        # The run ends after its last whole batch, as CleanRL's and PureJaxRL's do: say so if that is short.
+        self.total_steps = config.num_updates * config.batch_size
+        if self.total_steps != config.total_timesteps:
+            print(f"--total-timesteps {config.total_timesteps:,} is not a whole number of batches of "
+                  f"{config.batch_size:,} steps: the run ends after {config.num_updates:,} updates, at "
+                  f"{self.total_steps:,} steps", file=sys.stderr)
         self.seed_writers = seed_writers
         self.writer: EventWriter | None = None
         self.writers: list[EventWriter] = []
@@ -1824,47 +2014,111 @@ class Run:
         """
         if self.config.track:  # before the writers, so that wandb sees their events
             self.tracking = start_tracking(self.config, self.dir.name)
+        threads = set(threading.enumerate())
         self.writer = EventWriter(self.dir)
         self.writers = [EventWriter(self.dir / f"agent-{i}") for i in range(self.seed_writers)]
+        self.writer_threads = set(threading.enumerate()) - threads
+        self.excepthook = threading.excepthook
+        threading.excepthook = self.writer_thread_failed
         if not self.resumed:
             self.writer.add_text("hyperparameters", hyperparameter_table(self.config, self.env_id))
+
+    def writer_thread_failed(self, args: typing.Any) -> None:
+        """A writer's thread that fails to write (on a full disk, say) dies of it, and its writer raises the
+        error again at its next event: the run reports it there, in one line. Python's report of it, a
+        traceback, is left out."""
+        if not (args.thread in self.writer_threads and issubclass(args.exc_type, OSError)):
+            self.excepthook(args)
+
+    def close_writers(self) -> None:
+        """Close every writer, once; then raise the first error that closing one raised."""
+        writers = [writer for writer in [self.writer, *self.writers] if writer is not None]
+        self.writer, self.writers = None, []
+        errors = []
+        for writer in writers:
+            try:
+                writer.close()
+            except OSError as error:
+                errors.append(error)
+        if writers:
+            threading.excepthook = self.excepthook
+        if errors:
+            raise errors[0]
+
+    def last_checkpoint(self) -> Path | None:
+        """The newest checkpoint of this run that exists: its own, else the one it resumed from, else none."""
+        for path in [self.checkpoint_path, self.config.resume]:
+            if path is not None and Path(path).is_file():
+                return Path(path)
+        return None
+
+    def write_checkpoint(self, state: dict) -> None:
+        """Write `state` as the run's checkpoint, if every number in it is finite; else raise a `DivergedError`.
+
+        A second Ctrl-C that comes meanwhile takes effect once the checkpoint is whole.
+        """
+        arrays = [leaf for leaf in jax.tree.leaves(state) if isinstance(leaf, np.ndarray)]
+        if not all(np.isfinite(array).all() for array in arrays if np.issubdtype(array.dtype, np.inexact)):
+            raise DivergedError(f"the state of update {state['update']} holds NaN or infinite numbers, and was "
+                                "not saved")
+        with self.stop.writing:
+            save_checkpoint(state, self.checkpoint_path)
 
     def finish(self, loop: Callable[[StopRequest], None], save: Callable[[], None],
                counters: Callable[[], tuple[int, int]]) -> int:
         """Run `loop` until it ends or a stop is requested, save, and report; the exit status."""
+        self.stop.training = True
+        worker_error = None
         try:
-            with StopRequest(announce=True, same_within=0.0) as stop:
-                loop(stop)
+            try:
+                loop(self.stop)
+            except WorkerError as error:
+                worker_error = error  # the agent is whole (the update had not begun): save it, then report
             save()
+            self.close_writers()
             update, global_step = counters()
-            if stop():
+            if worker_error is not None:
+                print(f"\n{worker_error}\ncheckpoint of update {update} saved in {self.checkpoint_path}",
+                      file=sys.stderr)
+                return 1
+            if self.stop():
                 print(f"stopped at update {update}; resume with --resume {self.checkpoint_path}", file=sys.stderr)
-                return 128 + stop.signal
+                return 128 + self.stop.signal
             print(f"done: {global_step:,} steps; checkpoint in {self.checkpoint_path}", file=sys.stderr)
             return 0
-        except WorkerError as error:
-            # The agent is whole (the update had not begun), so save it before reporting.
-            save()
-            print(f"\n{error}\ncheckpoint of update {counters()[0]} saved in {self.checkpoint_path}", file=sys.stderr)
+        except DivergedError as error:
+            last = self.last_checkpoint()
+            print(f"\n{error}; " + (f"the last good checkpoint is {last}" if last else "no checkpoint was written"),
+                  file=sys.stderr)
             return 1
-        except NonFiniteError as error:
-            kept = (f"the last good checkpoint is {self.checkpoint_path}" if self.checkpoint_path.exists()
-                    else "no checkpoint was written")
-            print(f"\n{error}; {kept}", file=sys.stderr)
+        except OSError as error:
+            # A file of the run could not be written, on a full disk, say; what was written before is whole.
+            reason = error.strerror[0].lower() + error.strerror[1:] if error.strerror else str(error)
+            last = self.last_checkpoint()
+            print(f"\n{PROG}: error: {reason} while writing {error.filename}; "
+                  + (f"the last checkpoint is {last}" if last else "none was written"), file=sys.stderr)
             return 1
-        except KeyboardInterrupt:
-            print(f"\naborted; the last checkpoint written is in {self.checkpoint_path}", file=sys.stderr)
-            return 130
         finally:
-            for writer in [self.writer, *self.writers]:
-                if writer is not None:
-                    writer.close()
+            try:
+                self.close_writers()
+            except OSError:
+                pass  # reported above, or less than what was
             if self.tracking is not None:
                 self.tracking.finish()
+            self.lock.close()
 
 
-class NonFiniteError(RuntimeError):
-    """The loss or gradient became NaN or infinite."""
+class DivergedError(RuntimeError):
+    """The run diverged (see `diverged`, Part 1): nothing from that point on was kept."""
+
+    @classmethod
+    def at(cls, update: int, largest_step: float, agent: int | None = None) -> DivergedError:
+        """The error of an update that diverged, from its metrics: which update, which agent and why."""
+        why = (f"a step would have moved the weights by {largest_step:.3g} in root mean square, more than "
+               f"{MAX_STEP_RMS:g}" if largest_step > MAX_STEP_RMS
+               else "the loss or the parameters became NaN or infinite")
+        agent_words = "" if agent is None else f" (agent {agent})"
+        return cls(f"diverged at update {update}{agent_words}: {why}; no step was taken from there on")
 
 
 def agent_keys(config: Config) -> jax.Array:
@@ -1877,19 +2131,30 @@ def game_options(config: AtariConfig) -> dict:
                 frame_skip=config.frame_skip, max_episode_frames=config.max_episode_frames)
 
 
-def train_gymnax(config: RunConfig, env_id: str, checkpoint: dict | None) -> int:
+# The compiled chunks of a gymnax run: about this long each, and never more updates than this.
+CHUNK_SECONDS = 2.0
+LONGEST_CHUNK = 1000
+
+
+def train_gymnax(config: RunConfig, env_id: str, checkpoint: dict | None, stop: StopRequest) -> int:
     """Train `num_seeds` agents on a gymnax environment: `make_train`'s program, a chunk of the run at a time.
 
-    A chunk is `--checkpoint-every` updates of every agent, `train_chunk` under `vmap`; between
-    chunks the run writes TensorBoard events, shows its progress, saves a checkpoint and looks for
-    a stop request. (A compiled program can also call back into Python as it runs,
+    A chunk is some updates of every agent, `train_chunk` under `vmap`; between chunks the run
+    writes TensorBoard events, shows its progress, saves a checkpoint every `--checkpoint-every`
+    updates and looks for a stop request. Chunks are sized by time, so that the progress line moves
+    and Ctrl-C is answered within `CHUNK_SECONDS` or so, whatever an update costs (a MinAtar update
+    takes a second on a 2-core CPU, a CartPole update 4 ms): the first chunk is one update, and
+    each next one as many as fit in `CHUNK_SECONDS` at the speed of the last. One program serves
+    them all, compiled for chunks of `length` updates (`--checkpoint-every`, at most
+    `LONGEST_CHUNK`): a shorter chunk skips the rest of the scan's steps (see `train_chunk`), at
+    about a microsecond each. (A compiled program can also call back into Python as it runs,
     `jax.debug.callback`, to print progress after every update, say. We report between chunks
     instead: JAX refuses to store a program with a host callback in its persistent compilation
     cache, `JAX_COMPILATION_CACHE_DIR`, which otherwise spares a second run of the same
     configuration its compilation.)
     """
     choose_device(config.device)
-    run = Run(config, env_id, checkpoint, seed_writers=config.num_seeds if config.num_seeds > 1 else 0)
+    run = Run(config, env_id, checkpoint, stop, seed_writers=config.num_seeds if config.num_seeds > 1 else 0)
     training = make_train(config, env_id)
     keys = agent_keys(config)
     if checkpoint is None:
@@ -1902,11 +2167,14 @@ def train_gymnax(config: RunConfig, env_id: str, checkpoint: dict | None) -> int
     mesh = seed_mesh(config.num_seeds)
     runners = jax.device_put(runners, split_over_seeds(mesh))
     update = int(runners.update[0])
-    progress = Progress(config.total_timesteps, update * config.batch_size, config.num_seeds, unit="updates")
+    progress = Progress(run.total_steps, update * config.batch_size, config.num_seeds, unit="updates")
+    if checkpoint is not None:
+        progress.scores.extend(checkpoint.get("recent_scores", []))  # absent from older checkpoints
 
     print(describe_devices(mesh, config.num_seeds), file=sys.stderr)
     started = time.perf_counter()
-    train_chunk = compile_train_chunk(training, min(config.checkpoint_every, config.num_updates), runners, mesh)
+    length = min(config.checkpoint_every, config.num_updates, LONGEST_CHUNK)
+    train_chunk = compile_train_chunk(training, length, runners, mesh)
     print(f"{env_id}: {config.num_seeds} agent(s), compiled in {time.perf_counter() - started:.1f} s; "
           f"logs and checkpoints in {run.dir}", file=sys.stderr)
     run.open_writers()
@@ -1914,29 +2182,34 @@ def train_gymnax(config: RunConfig, env_id: str, checkpoint: dict | None) -> int
 
     def loop(stop: StopRequest) -> None:
         nonlocal runners, update
+        count = 1  # the first chunk: one update, to time it
         while update < config.num_updates and not stop():
-            count = min(config.checkpoint_every - update % config.checkpoint_every, config.num_updates - update)
+            count = min(count, config.checkpoint_every - update % config.checkpoint_every, config.num_updates - update)
             chunk_started = time.perf_counter()
             new_runners, metrics = train_chunk(runners, jnp.int32(count))
             metrics = jax.tree.map(lambda value: value[:count], jax.device_get(metrics))  # [count, agents]
-            broken = np.argwhere(metrics["nonfinite"])
+            seconds = time.perf_counter() - chunk_started
+            broken = np.argwhere(metrics["diverged"])
             if broken.size:
                 at, agent = broken[0]
-                raise NonFiniteError(f"the loss or its gradient became non-finite at update {update + at + 1} "
-                                     f"(agent {agent}); no step was taken from there on")
+                raise DivergedError.at(update + at + 1, float(metrics["largest_step"][at, agent]), agent)
             runners = new_runners
-            sps = count * config.batch_size * config.num_seeds / (time.perf_counter() - chunk_started)
-            log_gymnax_updates(run, metrics, update, config.batch_size, sps)
+            log_gymnax_updates(run, metrics, update, config.batch_size,
+                               count * config.batch_size * config.num_seeds / seconds)
             update += count
             returns = metrics["episodic_return"]
             progress.scores.extend(mean_over_agents(returns[i]) for i in range(count) if np.isfinite(returns[i]).any())
             progress.show(update * config.batch_size)
             if update % config.checkpoint_every == 0:
                 save()
+            # The next chunk: as many updates as fit in `CHUNK_SECONDS` at this chunk's speed.
+            count = max(1, min(length, int(CHUNK_SECONDS * count / seconds)))
 
     def save() -> None:
-        save_checkpoint(checkpoint_state(config, env_id, update, update * config.batch_size,
-                                         runners=storable(runners)), run.checkpoint_path)
+        # The progress line's recent scores ride along, so that a resumed run's line goes on from them.
+        run.write_checkpoint(checkpoint_state(config, env_id, update, update * config.batch_size,
+                                              runners=storable(runners),
+                                              recent_scores=np.asarray(progress.scores, np.float64)))
 
     def counters() -> tuple[int, int]:
         progress.show(update * config.batch_size, final=True)
@@ -1967,9 +2240,9 @@ def log_gymnax_updates(run: Run, metrics: dict[str, np.ndarray], first_update: i
     run.writer.add_scalar("charts/SPS", sps, step)
 
 
-def train_atari(config: RunConfig, env_id: str, checkpoint: dict | None) -> int:
+def train_atari(config: RunConfig, env_id: str, checkpoint: dict | None, stop: StopRequest) -> int:
     """Train one agent on an Atari game through worker processes, as `ppo_atari.py` does."""
-    run = Run(config, env_id, checkpoint)
+    run = Run(config, env_id, checkpoint, stop)
     num_workers = config.num_workers or min(config.num_envs, len(os.sched_getaffinity(0))
                                             if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     start_method = None if config.start_method == "default" else config.start_method
@@ -1984,7 +2257,7 @@ def train_atari(config: RunConfig, env_id: str, checkpoint: dict | None) -> int:
         run.open_writers()
         print(f"{env_id}: training on {device} (compiled in {trainer.compile_seconds:.1f} s), {config.num_envs} games "
               f"in {num_workers} workers; logs and checkpoints in {run.dir}", file=sys.stderr)
-        progress = Progress(config.total_timesteps, trainer.global_step)
+        progress = Progress(run.total_steps, trainer.global_step)
         if checkpoint is not None:
             progress.scores.extend(checkpoint.get("recent_scores", []))  # absent from older checkpoints
 
@@ -2011,10 +2284,9 @@ def train_atari(config: RunConfig, env_id: str, checkpoint: dict | None) -> int:
 
         def save() -> None:
             # The progress line's recent scores ride along, so that a resumed run's line goes on from them.
-            save_checkpoint(checkpoint_state(config, env_id, trainer.update, trainer.global_step, agent=trainer.agent,
-                                             key=jax.random.key_data(trainer.key),
-                                             recent_scores=np.asarray(progress.scores, np.float64)),
-                            run.checkpoint_path)
+            run.write_checkpoint(checkpoint_state(config, env_id, trainer.update, trainer.global_step,
+                                                  agent=trainer.agent, key=jax.random.key_data(trainer.key),
+                                                  recent_scores=np.asarray(progress.scores, np.float64)))
 
         def counters() -> tuple[int, int]:
             progress.show(trainer.global_step, final=True)
@@ -2272,10 +2544,14 @@ def main(argv: list[str] | None = None) -> int:
         if checkpoint is not None:
             print(f"resumed at step {checkpoint['global_step']:,} (update {checkpoint['update']}) from {config.resume}",
                   file=sys.stderr)
-        return (train_atari if family == "Atari" else train_gymnax)(config, env_id, checkpoint)
+        with StopRequest() as stop:
+            return (train_atari if family == "Atari" else train_gymnax)(config, env_id, checkpoint, stop)
     except ConfigError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
+    except WorkerError as error:  # the workers could not start: what happened, and the worker's traceback if any
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # before training began (while compiling, say): nothing to save
         print(f"\n{PROG}: interrupted", file=sys.stderr)
         return 130
@@ -2351,4 +2627,6 @@ def describe_devices(mesh: Mesh, num_seeds: int) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # nothing is left to stop while Python and JAX shut down
+    sys.exit(status)

@@ -3,6 +3,8 @@
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import flax.serialization
@@ -42,3 +44,49 @@ def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 def read_checkpoint(path: Path) -> dict:
     return flax.serialization.msgpack_restore(Path(path).read_bytes())
 
+
+
+def patched(code: str) -> list[str]:
+    """The command line of a `python ppo_jax.py` that first runs `code` (Python, with `ppo_jax` imported): a fault
+    injected into the script as a user would run it, forked workers included (they inherit the patch)."""
+    return [sys.executable, "-c", f"import sys, ppo_jax\n{code}\nsys.exit(ppo_jax.main(sys.argv[1:]))"]
+
+
+class Watched:
+    """A `ppo_jax.py` process started in the background, its stderr read line by line with the time each came."""
+
+    def __init__(self, command: list[str], environment: dict):
+        self.process = subprocess.Popen([*map(str, command)], stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                        env=environment)
+        self.lines: list[tuple[float, str]] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.process.stderr:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait_for(self, text: str, timeout: float = 180) -> float:
+        """The time the first line holding `text` came, waiting for it at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for when, line in list(self.lines):
+                if text in line:
+                    return when
+            if self.process.poll() is not None and not self.reader.is_alive():
+                break
+            time.sleep(0.05)
+        self.process.kill()
+        raise AssertionError(f"no line with {text!r}:\n{self.stderr}")
+
+    def finish(self, timeout: float = 120) -> int:
+        try:
+            self.process.wait(timeout)
+        finally:
+            self.process.kill()
+            self.reader.join(10)
+        return self.process.returncode
+
+    @property
+    def stderr(self) -> str:
+        return "\n".join(line for _, line in self.lines)

@@ -1,0 +1,395 @@
+"""ppo_jax.py under faults a user meets: bad numbers, Ctrl-C at any moment, a diverging run, a full disk, two
+runs in one directory, damaged checkpoints, workers that cannot start. Each is one line and an exit status,
+never a traceback, and every checkpoint a message names exists."""
+
+import dataclasses
+import signal
+import subprocess
+import sys
+import time
+import typing
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import ppo_jax
+from conftest import ROOT
+from ppo_jax_runs import SCRIPT, Watched, environment, patched, read_checkpoint, run  # noqa: F401 (fixtures)
+
+
+def ppo_jax_run(environment, command, *args, timeout=300):
+    """`command ARGS` (a `patched` ppo_jax.py), finished, with its output."""
+    return subprocess.run([*command, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=environment)
+
+
+def one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+def main_error(capsys, *args) -> str:
+    """`ppo_jax.main(ARGS)`, which must exit 2 with one line on stderr: that line."""
+    try:
+        status = ppo_jax.main([*map(str, args)])
+    except SystemExit as exit:  # argparse's own errors
+        status = exit.code
+    assert status == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("ppo_jax.py: error: "), line
+    return line
+
+
+# ## Every number on the command line, checked before any work
+
+INT32 = "3e9"  # more than JAX's 32-bit counts hold
+BAD_NUMBERS = {
+    **{name: [("0", "must be positive"), ("-3", "must be positive"), (INT32, "must be at most 2,147,483,647")]
+       for name in ["num_seeds", "num_envs", "num_steps", "num_minibatches", "update_epochs", "frame_skip",
+                    "max_episode_frames", "checkpoint_every", "eval_episodes"]},
+    "total_timesteps": [("0", "must be positive"), ("1e20", "updates, more than the 2,147,483,647")],
+    **{name: [("-1", "must not be negative"), (INT32, "must be at most 2,147,483,647")]
+       for name in ["noop_max", "num_workers"]},
+    "seed": [("-1", "must be in [0, 4294967295]"), ("4294967296", "must be in [0, 4294967295]"),
+             ("1e30", "must be in [0, 4294967295]")],
+    **{name: [("0", "must be positive"), ("-1", "must be positive"), ("inf", "must be a finite number, not inf"),
+              ("nan", "must be a finite number, not nan")]
+       for name in ["learning_rate", "clip_range", "max_grad_norm", "target_kl"]},
+    **{name: [("1.5", "must be in [0, 1]"), ("-0.1", "must be in [0, 1]"), ("inf", "must be a finite number"),
+              ("nan", "must be a finite number")]
+       for name in ["gamma", "gae_lambda", "sticky_actions"]},
+    **{name: [("-1", "must not be negative"), ("inf", "must be a finite number, not inf"),
+              ("nan", "must be a finite number, not nan")]
+       for name in ["ent_coef", "vf_coef"]},
+}
+
+
+def numeric_fields(cls) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    return [field.name for field in dataclasses.fields(cls) if hints[field.name] in (int, float, float | None)]
+
+
+@pytest.mark.parametrize("name", numeric_fields(ppo_jax.RunConfig))
+def test_a_bad_number_exits_2_before_any_work(name, capsys, tmp_path):
+    # Every numeric flag (one with no bad values listed above fails here), each of its bad values; a short
+    # run, should one be taken.
+    flag = "--" + name.replace("_", "-")
+    for value, message in BAD_NUMBERS[name]:
+        line = main_error(capsys, "--total-timesteps", 1024, f"{flag}={value}", "--run-dir", tmp_path / "run")
+        assert line.startswith(f"ppo_jax.py: error: {flag} ") and message in line, line
+        assert not (tmp_path / "run").exists()
+
+
+def test_a_run_dir_that_is_a_file_exits_2(capsys, tmp_path):
+    (tmp_path / "taken").write_text("")
+    assert f"--run-dir {tmp_path / 'taken'} is a file, not a directory" in main_error(capsys, "--run-dir",
+                                                                                       tmp_path / "taken")
+
+
+# ## A small run: 4 updates of 4 CartPole envs x 32 steps; 600 steps asked for are 4 whole batches and a part
+
+SMALL = ["--num-steps", 32, "--total-timesteps", 600, "--checkpoint-every", 2]
+
+
+@pytest.fixture(scope="module")
+def small(run, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "small"
+    result = run(*SMALL, "--run-dir", run_dir)
+    assert result.returncode == 0, result.stderr
+    return run_dir / "checkpoint.msgpack", result
+
+
+def test_a_run_says_where_it_ends_when_the_steps_asked_for_are_not_whole_batches(small):
+    path, result = small
+    assert result.stderr.splitlines()[0] == ("--total-timesteps 600 is not a whole number of batches of 128 steps: "
+                                             "the run ends after 4 updates, at 512 steps")
+    assert "step 512/512 (100.0%)" in result.stderr and "done: 512 steps" in result.stderr
+    assert read_checkpoint(path)["global_step"] == 512
+
+
+@pytest.mark.parametrize("field", ["env_id", "update", "global_step", "config", "config.num_envs",
+                                   "config.learning_rate", "runners", "runners.agent", "runners.agent.params"])
+@pytest.mark.parametrize("use", ["--eval", "--resume"])
+def test_a_checkpoint_without_a_field_exits_2(small, field, use, capsys, tmp_path):
+    checkpoint = read_checkpoint(small[0])
+    *parents, name = field.split(".")
+    node = checkpoint
+    for parent in parents:
+        node = node[parent]
+    del node[name]
+    path = tmp_path / "lacking.msgpack"
+    path.write_bytes(flax.serialization.msgpack_serialize(checkpoint))
+    line = main_error(capsys, use, path, "--run-dir", tmp_path / "run")
+    assert f"checkpoint {path} has no {field}" in line and "damaged, or from another version" in line
+
+
+# ## Two runs, one directory
+
+
+def test_a_second_run_in_a_directory_in_use_exits_2_naming_the_first(environment, capsys, tmp_path):
+    first = Watched([sys.executable, SCRIPT, "--total-timesteps", "1e8", "--checkpoint-every", 1000,
+                     "--run-dir", tmp_path], environment)
+    try:
+        first.wait_for("devices:")  # its directory is locked by then
+        line = main_error(capsys, "--total-timesteps", 1024, "--run-dir", tmp_path)
+        assert line == f"ppo_jax.py: error: {tmp_path} is in use by another run (process {first.process.pid})"
+        first.process.send_signal(signal.SIGTERM)
+        assert first.finish() == 128 + signal.SIGTERM, first.stderr
+    finally:
+        first.process.kill()
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_resuming_into_a_directory_that_holds_another_checkpoint_exits_2(small, capsys, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "checkpoint.msgpack").write_bytes(small[0].read_bytes())
+    before = (other / "checkpoint.msgpack").read_bytes()
+    line = main_error(capsys, "--resume", small[0], "--total-timesteps", 1024, "--run-dir", other)
+    assert f"{other} already holds a checkpoint of another run than {small[0]}" in line
+    assert (other / "checkpoint.msgpack").read_bytes() == before
+
+
+def test_two_writers_of_one_checkpoint_use_two_temporary_files(tmp_path, monkeypatch):
+    # One writer renames its file while the other is between writing and renaming its own: with one
+    # temporary name for both, the second rename finds nothing to rename.
+    path = tmp_path / "checkpoint.msgpack"
+    real_replace = ppo_jax.os.replace
+    temporaries = []
+
+    def replace(source, destination):
+        temporaries.append(source)
+        if len(temporaries) == 1:
+            ppo_jax.save_checkpoint({"writer": 2}, path)
+        real_replace(source, destination)
+
+    monkeypatch.setattr(ppo_jax.os, "replace", replace)
+    ppo_jax.save_checkpoint({"writer": 1}, path)
+    assert len(set(temporaries)) == 2 and read_checkpoint(path) == {"writer": 1}
+    assert list(tmp_path.iterdir()) == [path]
+
+
+# ## A full disk
+
+DISK_FULL = "raise OSError(errno.ENOSPC, 'No space left on device')"
+
+
+@pytest.mark.parametrize("what", ["checkpoint", "events"])
+def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(what, small, environment, tmp_path):
+    # The disk fills after the first checkpoint (update 2): the second one, or the TensorBoard events
+    # that tensorboard's thread writes, cannot be written.
+    if what == "checkpoint":
+        code = f"""import errno, os
+real_replace = os.replace
+def replace(source, destination):
+    if str(destination).endswith("checkpoint.msgpack") and os.path.exists(destination):
+        {DISK_FULL}
+    real_replace(source, destination)
+os.replace = replace"""
+    else:
+        code = f"""import errno, os
+from tensorboard.compat.tensorflow_stub.io.gfile import LocalFileSystem
+real_append = LocalFileSystem.append
+def append(self, filename, *args, **kwargs):
+    if os.path.exists(os.path.join(os.path.dirname(os.fsdecode(filename)), "checkpoint.msgpack")):
+        {DISK_FULL}
+    real_append(self, filename, *args, **kwargs)
+LocalFileSystem.append = append"""
+    result = ppo_jax_run(environment, patched(code), *SMALL, "--run-dir", tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr and "Exception in thread" not in result.stderr
+    written = tmp_path / "checkpoint.msgpack" if what == "checkpoint" else tmp_path
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"ppo_jax.py: error: no space left on device while writing {written}; the last checkpoint is "
+        f"{tmp_path / 'checkpoint.msgpack'}")
+    assert read_checkpoint(tmp_path / "checkpoint.msgpack")["update"] == 2
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_really_full_disk(small, environment, tmp_path):
+    # A filesystem of 160 kB, mounted in a namespace of this test's own (where the system allows it):
+    # the first checkpoint (110 kB) fits, a second one beside it does not.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no user namespaces here to mount a small filesystem in")
+    command = (f"mount -t tmpfs -o size=160k tmpfs {disk} && {sys.executable} {SCRIPT} {' '.join(map(str, SMALL))} "
+               f"--run-dir {disk}/run; echo status $?; ls {disk}/run; {sys.executable} -c "
+               f"'import flax.serialization as f; print(f.msgpack_restore(open(\"{disk}/run/checkpoint.msgpack\", "
+               f"\"rb\").read())[\"update\"])'")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", command], capture_output=True, text=True, cwd=ROOT,
+                            env=environment, timeout=300)
+    checkpoint = disk / "run" / "checkpoint.msgpack"
+    # The checkpoint or the events, whichever is written first once the disk is full.
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("ppo_jax.py: error: no space left on device while writing ")
+    assert line.endswith(f"; the last checkpoint is {checkpoint}")
+    assert "Traceback" not in result.stderr
+    status, *files, update = result.stdout.split()
+    assert status == "status" and files[0] == "1" and update == "2"
+    assert not [name for name in files[1:] if name.endswith(".tmp")]
+
+
+# ## A diverging run
+
+
+def test_a_step_that_throws_the_weights_away_is_not_taken():
+    config = ppo_jax.Config(num_envs=2, num_steps=8, num_minibatches=2, update_epochs=2, total_timesteps=160)
+    network = ppo_jax.MLPActorCritic(2)
+    params = network.init(jax.random.key(0), jnp.zeros((1, 4)))
+    optimizer = ppo_jax.make_optimizer(config)
+    update_agent = jax.jit(ppo_jax.make_update_agent(network, optimizer, config))
+    rng = np.random.default_rng(0)
+    shape = (8, 2)
+    rollout = ppo_jax.Rollout(jnp.asarray(rng.normal(size=shape + (4,)), jnp.float32),
+                              jnp.asarray(rng.integers(0, 2, shape), jnp.int32), jnp.full(shape, -0.69),
+                              jnp.zeros(shape), jnp.zeros(shape), jnp.asarray(rng.normal(size=shape), jnp.float32),
+                              jnp.zeros(shape, bool), jnp.zeros(shape, bool))
+    for learning_rate in [2.5e-4, 1e10]:
+        agent, metrics = update_agent(ppo_jax.Agent(params, optimizer.init(params)), rollout, jax.random.key(1),
+                                      learning_rate, 0.2)
+        moved = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(agent.params), jax.tree.leaves(params)))
+        # Adam's first step moves each weight by the learning rate: 1e10 is far past one, in root mean square.
+        assert bool(metrics["diverged"]) == (learning_rate > 1) and moved == (learning_rate < 1)
+        assert float(metrics["largest_step"]) == pytest.approx(learning_rate, rel=0.5)
+
+
+def test_a_huge_learning_rate_is_stopped_at_its_first_update(run, tmp_path):
+    # At 1e10 every number stays finite (the value loss is 1e22, the entropy 0): the size of the step gives it away.
+    result = run("--learning-rate", "1e10", *SMALL, "--run-dir", tmp_path)
+    assert result.returncode == 1, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("diverged at update 1 (agent 0): a step would have moved the weights by ")
+    assert line.endswith("in root mean square, more than 1; no step was taken from there on; no checkpoint was written")
+    assert not (tmp_path / "checkpoint.msgpack").exists()
+
+
+def test_parameters_made_non_finite_by_the_last_step_of_an_update_are_never_saved(monkeypatch, capsys, tmp_path):
+    # The optimizer's direction turns NaN at the last minibatch step of update 2 (4 epochs x 4
+    # minibatches: steps 16 to 31), where the loss, computed before the step, is still finite; no loss
+    # is computed after it within the update, and a checkpoint is due at its end.
+    real_optimizer = ppo_jax.make_optimizer
+    monkeypatch.setattr(ppo_jax, "make_optimizer", lambda config: optax.chain(
+        real_optimizer(config), optax.scale_by_schedule(lambda count: jnp.where(count == 31, jnp.nan, 1.0))))
+    assert ppo_jax.main([*map(str, SMALL), "--run-dir", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "diverged at update 2 (agent 0): the loss or the parameters became NaN or infinite; no step was taken from "
+        "there on; no checkpoint was written")
+    assert not (tmp_path / "checkpoint.msgpack").exists()
+
+
+def test_a_state_that_is_not_finite_is_not_written(tmp_path):
+    config = ppo_jax.RunConfig(run_dir=str(tmp_path))
+    run = ppo_jax.Run(config, "CartPole-v1", None, ppo_jax.StopRequest())
+    with pytest.raises(ppo_jax.DivergedError, match="the state of update 3 holds NaN or infinite numbers"):
+        run.write_checkpoint({"update": 3, "runners": {"params": np.array([1.0, np.inf], np.float32)}})
+    run.write_checkpoint({"update": 2, "runners": {"params": np.array([1.0, 2.0], np.float32)}})
+    assert read_checkpoint(tmp_path / "checkpoint.msgpack")["update"] == 2
+
+
+# ## Ctrl-C at any moment: once stops at the next safe point with a checkpoint, twice aborts at once
+#
+# Each moment is held open for a few seconds by a patch, so that the signals land in it.
+
+LONG = ["--num-steps", 32, "--total-timesteps", "1e8", "--checkpoint-every", 1000]
+HOLD = "import time\n"
+
+
+def assert_clean(watched):
+    assert "Traceback" not in watched.stderr and "Exception ignored" not in watched.stderr, watched.stderr
+
+
+def test_ctrl_c_while_compiling_exits_at_once(environment, tmp_path):
+    uncached = {key: value for key, value in environment.items() if key != "JAX_COMPILATION_CACHE_DIR"}
+    watched = Watched([sys.executable, SCRIPT, *map(str, LONG), "--run-dir", str(tmp_path)], uncached)
+    watched.wait_for("devices:")
+    time.sleep(0.5)
+    watched.process.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    time.sleep(0.3)
+    watched.process.send_signal(signal.SIGINT)
+    assert watched.finish() == 130
+    assert time.monotonic() - sent < 10
+    assert watched.stderr.splitlines()[-1] == ("interrupted before training began: no checkpoint written now; "
+                                               "none was written")
+    assert "compiled in" not in watched.stderr
+    assert_clean(watched)
+
+
+def test_a_second_ctrl_c_while_training_aborts_naming_the_checkpoint_it_resumed(small, environment, tmp_path):
+    code = HOLD + """real = ppo_jax.compile_train_chunk
+def compile_slow_chunks(*args):
+    train_chunk = real(*args)
+    def slow(*args):
+        result = ppo_jax.jax.block_until_ready(train_chunk(*args))
+        time.sleep(3)
+        return result
+    return slow
+ppo_jax.compile_train_chunk = compile_slow_chunks"""
+    watched = Watched(patched(code) + ["--resume", str(small[0]), *map(str, LONG[2:]), "--run-dir", str(tmp_path)],
+                      environment)
+    watched.wait_for("compiled in")
+    for _ in range(2):
+        time.sleep(0.5)
+        watched.process.send_signal(signal.SIGINT)
+    assert watched.finish() == 130
+    assert watched.stderr.splitlines()[-1] == ("aborted by a second interrupt: no checkpoint written now; the last "
+                                               f"one is {small[0]}")
+    assert not (tmp_path / "checkpoint.msgpack").exists() and not list(tmp_path.glob("*.tmp"))
+    assert_clean(watched)
+
+
+@pytest.mark.parametrize("moment", ["saving", "closing"])
+def test_a_second_ctrl_c_while_saving_or_closing_aborts_naming_a_whole_checkpoint(moment, environment, tmp_path):
+    # The first Ctrl-C stops training; the second comes while the final checkpoint is written, or while the
+    # TensorBoard writers are closed after it.
+    held = "ppo_jax.save_checkpoint" if moment == "saving" else "ppo_jax.EventWriter.close"
+    code = HOLD + f"""real = {held}
+def held(*args):
+    print("held: {moment}", file=sys.stderr, flush=True)
+    time.sleep(3)
+    return real(*args)
+{held} = held"""
+    watched = Watched(patched(code) + [*map(str, LONG), "--run-dir", str(tmp_path)], environment)
+    watched.wait_for("compiled in")
+    time.sleep(1)
+    watched.process.send_signal(signal.SIGINT)
+    watched.wait_for(f"held: {moment}", timeout=30)
+    watched.process.send_signal(signal.SIGINT)
+    assert watched.finish() == 130
+    checkpoint = tmp_path / "checkpoint.msgpack"
+    assert watched.stderr.splitlines()[-1] == ("aborted by a second interrupt: no checkpoint written now; the last "
+                                               f"one is {checkpoint}")
+    assert read_checkpoint(checkpoint)["update"] > 0 and not list(tmp_path.glob("*.tmp"))
+    assert_clean(watched)
+
+
+# ## Workers that cannot start (Atari)
+
+ATARI = ["--env", "Breakout", "--num-envs", 2, "--num-workers", 1, "--total-timesteps", 512, "--start-method", "fork"]
+
+
+@pytest.mark.parametrize("fault", ["raises", "dies"])
+def test_a_worker_that_cannot_start_is_one_message(fault, environment, tmp_path):
+    act = "raise RuntimeError('no ROM for this game')" if fault == "raises" else "os.kill(os.getpid(), 9)"
+    code = f"""import os
+class BrokenGame:
+    def __init__(self, *args, **kwargs):
+        {act}
+ppo_jax.Game = BrokenGame"""
+    result = ppo_jax_run(environment, patched(code), *ATARI, "--run-dir", tmp_path)
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    if fault == "raises":
+        assert lines[0] == "ppo_jax.py: error: worker 0 failed; its traceback:"
+        assert result.stderr.count("Traceback (most recent call last)") == 1  # the worker's, not also ours
+        assert lines[-1] == "RuntimeError: no ROM for this game"
+    else:
+        assert len(lines) == 1 and "Traceback" not in result.stderr
+        assert lines[0].startswith("ppo_jax.py: error: worker 0 (pid ")
+        assert lines[0].endswith(") died unexpectedly (killed by signal SIGKILL)")
