@@ -1930,6 +1930,17 @@ def evaluate(config: Config, env_id: str, checkpoint: dict) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     """Do what the command line asks: evaluate a checkpoint, or train, afresh or resumed. A mistake
     in the input is one line on stderr and exit status 2; the other statuses are `train`'s."""
+    # A run ignores Ctrl-C while it closes (`ignore_interrupts`); whoever called `main` gets the
+    # handlers it had back, so that a notebook or a test that runs it in-process can still be interrupted.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _main(argv)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def _main(argv: list[str] | None) -> int:
     prog = "ppo_atari.py"
     try:
         config, checkpoint = parse_config(argv)

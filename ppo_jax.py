@@ -1993,6 +1993,9 @@ class Run:
             raise ConfigError(f"{self.dir} already holds a checkpoint{other}; resume it with --resume "
                               f"{self.checkpoint_path} or choose another --run-dir")
         self.config, self.env_id, self.resumed = config, env_id, checkpoint is not None
+        if checkpoint is not None:  # once the directory is known to be this run's
+            print(f"resumed at step {checkpoint['global_step']:,} (update {checkpoint['update']}) from {config.resume}",
+                  file=sys.stderr)
         self.stop = stop
         stop.last_checkpoint = self.last_checkpoint
         # The run ends after its last whole batch, as CleanRL's and PureJaxRL's do: say so if that is short.
@@ -2541,9 +2544,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{env_id}: {len(returns) if len(returns) > 1 else returns.shape[1]} {what} "
                   f"{describe_returns(returns)}")
             return 0
-        if checkpoint is not None:
-            print(f"resumed at step {checkpoint['global_step']:,} (update {checkpoint['update']}) from {config.resume}",
-                  file=sys.stderr)
         with StopRequest() as stop:
             return (train_atari if family == "Atari" else train_gymnax)(config, env_id, checkpoint, stop)
     except ConfigError as error:

@@ -2114,6 +2114,17 @@ def render_frame(task: Task, env_id: str) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A run ignores Ctrl-C while it closes (`ignore_interrupts`); whoever called `main` gets the
+    # handlers it had back, so that a notebook or a test that runs it in-process can still be interrupted.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _main(argv)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def _main(argv: list[str] | None) -> int:
     prog = "vpg_continuous.py"
     try:
         config, checkpoint = parse_config(argv)

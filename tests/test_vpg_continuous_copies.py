@@ -71,8 +71,11 @@ def class_source(script: str, name: str) -> str:
     raise AssertionError(f"{script} has no class {name}")
 
 
-def test_the_three_stop_requests_are_one_text():
-    texts = {script: class_source(script, "StopRequest") for script in ["ppo_atari.py", "vpg_continuous.py", "ppo_jax.py"]}
+def test_the_stop_requests_of_the_pytorch_scripts_are_one_text():
+    # ppo_jax.py's StopRequest is its own design: it must act while XLA compiles or runs a chunk,
+    # when no Python frame is there to raise into, so a thread watches the signals and a second one
+    # exits the process. Its behaviour is tested in tests/test_ppo_jax_faults.py.
+    texts = {script: class_source(script, "StopRequest") for script in ["ppo_atari.py", "vpg_continuous.py"]}
     assert len(set(texts.values())) == 1, "the StopRequest copies differ"
 
 
