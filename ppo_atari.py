@@ -157,11 +157,12 @@ class Config:
     max_grad_norm: float = 0.5
     """Clip the global norm of the gradient to this."""
     target_kl: float | None = None
-    """Stop an update early once the approximate KL divergence to the old policy exceeds this."""
+    """Skip the update's remaining epochs once an epoch's last minibatch finds the approximate KL
+    divergence to the old policy above this (CleanRL's rule)."""
     sticky_actions: float = 0.0
     """Probability that the emulator repeats the previous action on a frame (Machado et al. recommend 0.25)."""
     life_loss: bool = True
-    """End the learning episode when a life is lost (the game goes on)."""
+    """End the learning episode when a life is lost (the game goes on), and serve the next ball for the agent."""
     noop_max: int = 30
     """Up to this many no-op frames at the start of each game, a random number of them."""
     frame_skip: int = 4
@@ -217,7 +218,7 @@ class Config:
 #
 # `--sticky-actions 0.25` gives the emulator the randomness Machado et al. (2018) recommend, but not
 # their whole protocol: they also end an episode only at game over (`--no-life-loss` here) and give
-# the agent no game-specific help, while `Game` always presses FIRE for it.
+# the agent no game-specific help, while `Game` still presses FIRE at the start of every game.
 
 
 class Transition(NamedTuple):
@@ -228,7 +229,7 @@ class Transition(NamedTuple):
     truncated: bool    # the game was cut at the frame cap: its future exists but we stop watching; bootstrap it
     game_over: bool    # the whole game ended (by either cause): it must be reset before the next step
     score: float       # the game's real, unclipped score so far
-    length: int        # agent steps taken in this game so far
+    length: int        # emulator frames of this game so far, no-op and FIRE frames included
 
 
 class Game:
@@ -239,8 +240,10 @@ class Game:
     * **No-op starts.** A deterministic emulator starts every game the same way, so after a reset a
       random number (1 to `noop_max`) of frames pass with no action, and games differ from the start.
     * **FIRE to start.** Games whose second action is FIRE (Breakout, Pong, ...) wait for it before
-      play begins, after a reset and after each lost life. Pressing it for the agent saves it
-      thousands of wasted steps learning to serve.
+      play begins, after a reset and, with life loss on, after each lost life. Pressing it for the
+      agent saves it thousands of wasted steps learning to serve. baselines and CleanRL press it at
+      every reset, and with life loss on a lost life is a reset for them (their `FireResetEnv` wraps
+      `EpisodicLifeEnv`); with `--no-life-loss` nobody serves the next ball but the agent.
     * **Frame skip and max-pool.** Each action is repeated for `frame_skip` frames and the rewards
       summed. The observation is the pixel-wise maximum of the last two frames, because the Atari
       draws some sprites only on every other frame and one frame alone can miss them.
@@ -252,10 +255,17 @@ class Game:
       is what we report.
     * **Life loss.** Losing a life ends the episode *for learning*: the advantage stops there, which
       teaches the agent that a life is worth keeping. The game is not reset; it goes on with the
-      next life, and the score runs on.
+      next life, and the score runs on. A life counts as lost only if some are left after it:
+      baselines' `lives > 0` guard, written because Q*bert's counter could sit at 0 for a few frames
+      before its game ended. (In ALE 0.12.1 the last life and the game over of Q*bert, and of the
+      seven other games with lives we tried, fall on the same frame: the guard changes nothing there.)
     * **Two ends.** Game over is a *termination*: there is no future to value. The frame cap is a
       *truncation*: the game could go on, we just stopped it, and the value of where it was cut is
       real. The two are reported apart so the advantage computation can treat them apart.
+    * **What is reported.** A whole game's real score and its length in emulator frames, no-op and
+      FIRE frames included: what CleanRL logs under the same tags (`charts/episodic_return`,
+      `charts/episodic_length`), since its `RecordEpisodeStatistics` wraps the emulator itself,
+      below the frame skip and the life loss. A length in agent steps is about a quarter of it.
 
     `obs` is the current stack of frames, updated in place; copy it to keep it. A worker passes a
     view of shared memory as `obs`, so the frames land where the main process reads them.
@@ -301,7 +311,6 @@ class Game:
             if self.ale.game_over():
                 self.ale.reset_game()
         self.score = 0.0
-        self.length = 0
         if self.fire is not None:
             self.score += self._play(self.fire)
             if self.ale.game_over():
@@ -310,6 +319,7 @@ class Game:
             self.ale.getScreenGrayscale(self.screens[0])
             self.screens[1] = self.screens[0]
         self.lives = self.ale.lives()
+        self.length = self.ale.getEpisodeFrameNumber()
         self._observe(new_game=True)
         return self.obs
 
@@ -317,14 +327,15 @@ class Game:
         """Play `action` (an index into the minimal action set) for `frame_skip` frames."""
         points = self._play(self.actions[action])
         self.score += points
-        self.length += 1
         lives = self.ale.lives()
-        life_lost = lives < self.lives and not self.ale.game_over()
+        life_lost = 0 < lives < self.lives and not self.ale.game_over()
         self.lives = lives
-        # After a lost life, serve again for the agent. The frames of the serve belong to the next
-        # life, so its points (none, in the games we know) count for the score but not as a reward.
-        if life_lost and self.fire is not None:
+        # After a lost life that ends the learning episode, serve again for the agent. The frames of
+        # the serve belong to the next life, so its points (none, in the games we know) count for
+        # the score but not as a reward.
+        if life_lost and self.life_loss and self.fire is not None:
             self.score += self._play(self.fire)
+        self.length = self.ale.getEpisodeFrameNumber()
         game_over = self.ale.game_over(with_truncation=False)
         truncated = self.ale.game_truncated()
         self._observe(new_game=False)
@@ -610,7 +621,7 @@ class VecStep(NamedTuple):
     final_obs: np.ndarray
     """`[num_envs, *observation_shape]` uint8: the last observation of each game that was truncated in this step."""
     finished_games: list[tuple[int, float, int]]
-    """`(env index, score, length)` of each whole game that ended in this step."""
+    """`(env index, score, length in frames)` of each whole game that ended in this step."""
 
 
 class NonFiniteError(RuntimeError):
@@ -752,8 +763,9 @@ class Trainer:
         advantages, returns = advantages.flatten(), returns.flatten()
 
         # `update_epochs` passes over the batch, each in a new random order, one step of Adam per
-        # minibatch. With `target_kl` set, the update ends at the first minibatch whose policy has
-        # already moved further than that from the one that sampled the data; its step is not taken.
+        # minibatch. With `target_kl` set, the update ends after the first epoch whose last
+        # minibatch found the policy further than that from the one that sampled the data (CleanRL's
+        # rule: the epoch is finished, and the epochs after it are skipped).
         history = []
         stopped_early = False
         for epoch in range(config.update_epochs):
@@ -765,9 +777,6 @@ class Trainer:
                 terms = ppo_loss(policy.log_prob(actions[batch]), old_log_probs[batch],
                                  self.normalize_advantages(advantages[batch]), values, old_values[batch],
                                  returns[batch], policy.entropy(), clip_range, config)
-                if self.beyond_target_kl(terms.approx_kl):
-                    stopped_early = True
-                    break
                 self.optimizer.zero_grad(set_to_none=True)
                 self.compute_gradients(terms.loss)
                 grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
@@ -776,7 +785,8 @@ class Trainer:
                                          f"{self.update + 1} (epoch {epoch + 1}); no step was taken")
                 self.optimizer.step()
                 history.append(torch.stack([term.detach() for term in terms]))
-            if stopped_early:
+            if self.beyond_target_kl(terms.approx_kl):
+                stopped_early = True
                 break
         self.update += 1
         # What the update measured: the mean of every term of the loss over the steps taken

@@ -832,7 +832,7 @@ class Transition(NamedTuple):
     score: float
     """The game's real, unclipped score so far."""
     length: int
-    """Agent steps taken in this game so far."""
+    """Emulator frames of this game so far, no-op and FIRE frames included (as CleanRL counts them)."""
 
 
 class Game:
@@ -840,8 +840,9 @@ class Game:
 
     * **No-op starts.** After a reset, 1 to `noop_max` frames pass with no action, so that games of
       a deterministic emulator differ from the start.
-    * **FIRE to start.** Games whose second action is FIRE wait for it after a reset and after each
-      lost life; the wrapper presses it, sparing the agent thousands of steps learning to serve.
+    * **FIRE to start.** Games whose second action is FIRE wait for it after a reset and, with life
+      loss on, after each lost life; the wrapper presses it, sparing the agent thousands of steps
+      learning to serve.
     * **Frame skip and max-pool.** An action is repeated for `frame_skip` frames, the rewards summed;
       the observation is the pixel-wise maximum of the last two frames, since the Atari draws some
       sprites only on every other frame.
@@ -849,7 +850,8 @@ class Game:
       with area averaging and stacked with the three before it, newest last, as `uint8`.
     * **Reward clipping.** Learning sees $\mathrm{sign}(r)$; the real score is kept apart and reported.
     * **Life loss.** A lost life ends the episode *for learning* (the advantage stops there); the
-      game goes on with the next life, and its score runs on.
+      game goes on with the next life, and its score runs on. A life is lost only if some are left
+      (baselines' `lives > 0` guard).
     * **Two ends.** Game over is a *termination*, no future to value; the frame cap is a
       *truncation*, a future we stopped watching. They are reported apart.
 
@@ -893,7 +895,6 @@ class Game:
             if self.ale.game_over():
                 self.ale.reset_game()
         self.score = 0.0
-        self.length = 0
         if self.fire is not None:
             self.score += self._play(self.fire)
             if self.ale.game_over():
@@ -902,6 +903,7 @@ class Game:
             self.ale.getScreenGrayscale(self.screens[0])
             self.screens[1] = self.screens[0]
         self.lives = self.ale.lives()
+        self.length = self.ale.getEpisodeFrameNumber()
         self._observe(new_game=True)
         return self.obs
 
@@ -909,14 +911,14 @@ class Game:
         """Play `action` (an index into the minimal action set) for `frame_skip` frames."""
         points = self._play(self.actions[action])
         self.score += points
-        self.length += 1
         lives = self.ale.lives()
-        life_lost = lives < self.lives and not self.ale.game_over()
+        life_lost = 0 < lives < self.lives and not self.ale.game_over()
         self.lives = lives
-        # Serve again after a lost life. Those frames belong to the next life: their points count
-        # for the score, not as this step's reward.
-        if life_lost and self.fire is not None:
+        # Serve again after a lost life that ends the learning episode. Those frames belong to the
+        # next life: their points count for the score, not as this step's reward.
+        if life_lost and self.life_loss and self.fire is not None:
             self.score += self._play(self.fire)
+        self.length = self.ale.getEpisodeFrameNumber()
         game_over = self.ale.game_over(with_truncation=False)
         truncated = self.ale.game_truncated()
         self._observe(new_game=False)

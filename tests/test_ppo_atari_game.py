@@ -119,17 +119,67 @@ def test_life_loss_ends_learning_episode_but_not_the_game(breakout_id):
             break
     assert game.ale.lives() == lives - 1
     assert step.terminated and not step.truncated and not step.game_over
-    assert step.length == length_before + steps and step.score >= score_before
+    assert step.score >= score_before
+    assert step.length == game.ale.getEpisodeFrameNumber() == length_before + 4 * steps + 4  # with the serve
     # The game went on: the stack shifted by one frame instead of restarting, and FIRE served the
     # next ball in the same step (4 frames played, then 4 of FIRE).
     np.testing.assert_array_equal(game.obs[:-1], previous[1:])
     assert game.ale.getEpisodeFrameNumber() - frames_before == 8
 
 
+def test_without_life_loss_the_agent_serves_for_itself(breakout_id):
+    # baselines and CleanRL press FIRE after a lost life only because, with life loss on, a lost
+    # life is a reset for them; without it, only the agent can serve the next ball.
+    game = ppo_atari.Game(breakout_id, seed=3, life_loss=False)
+    game.reset()
+    lives = game.ale.lives()
+    while True:
+        frames_before = game.ale.getEpisodeFrameNumber()
+        step = game.step(0)
+        if game.ale.lives() < lives:
+            break
+    assert not step.terminated
+    assert game.ale.getEpisodeFrameNumber() - frames_before == 4  # the step's 4 frames, no FIRE after them
+    for _ in range(300):  # standing still, no ball comes: no life is lost
+        game.step(0)
+    assert game.ale.lives() == lives - 1
+
+
+class ScriptedLives:
+    """An emulator whose life counter follows a script, with no game over: the rule for a lost life
+    checked apart from any game's quirks."""
+
+    def __init__(self, ale, lives: list[int]):
+        self.ale, self.script = ale, iter(lives)
+
+    def lives(self):
+        return self.value
+
+    def act(self, action):
+        self.value = next(self.script, 0)
+        return self.ale.act(action)
+
+    def __getattr__(self, name):
+        return getattr(self.ale, name)
+
+
+def test_a_life_is_lost_only_while_lives_remain(breakout_id):
+    # baselines' guard: a counter that drops to 0 before the game ends (Q*bert's did, on older
+    # emulators) is no lost life; the game over that follows ends the last episode.
+    game = ppo_atari.Game(breakout_id, seed=0, noop_max=0, life_loss=True)
+    game.reset()
+    game.lives = 2
+    # Each step plays 4 frames (8 with a serve); the counter reads 2, then 1, then 0.
+    game.ale = ScriptedLives(game.ale, [2] * 4 + [1] * 8 + [0] * 4)
+    assert not game.step(0).terminated
+    assert game.step(0).terminated           # 2 -> 1: a lost life
+    assert not game.step(0).terminated       # 1 -> 0 and no game over: not a lost life
+
+
 def test_without_life_loss_only_game_over_terminates(breakout_id):
     game = ppo_atari.Game(breakout_id, seed=3, life_loss=False)
     game.reset()
-    step = play_until(game, lambda s: s.terminated)
+    step = play_until(game, lambda s: s.terminated, action=1)  # FIRE: the agent serves each ball itself
     assert step.game_over and game.ale.lives() == 0
 
 
@@ -225,6 +275,6 @@ def test_a_game_cut_mid_skip_observes_its_last_frame(breakout_id):
         assert not game.step(2).game_over
         play_by_hand(ale, game.actions[2])
     step = game.step(2)
-    assert step.truncated and step.game_over and step.length == 11
+    assert step.truncated and step.game_over and step.length == cap  # a game's length is in frames
     last = play_by_hand(ale, game.actions[2], frames=1)[-1]
     np.testing.assert_array_equal(game.obs[-1], cv2.resize(last, (84, 84), interpolation=cv2.INTER_AREA))

@@ -196,6 +196,19 @@ def test_target_kl_stops_the_update_early():
     assert stats["stopped_early"] == 1.0 and stats["epochs"] < 8
 
 
+def test_target_kl_is_checked_after_each_epoch_as_cleanrl_does():
+    # The first minibatch sees the policy that sampled the batch (KL 0); every later one a moved
+    # policy, beyond a tiny target. CleanRL finishes the epoch and then stops: one step of Adam per
+    # minibatch of the first epoch, and no more. (A check per minibatch would stop after one step.)
+    torch.manual_seed(0)
+    config = small_config(learning_rate=0.05, target_kl=1e-6, update_epochs=8)
+    trainer = ppo_atari.Trainer(config, ScriptedEnv(), torch.device("cpu"))
+    stats = trainer.update_policy(trainer.collect_rollout())
+    steps = {int(state["step"]) for state in trainer.optimizer.state.values()}
+    assert config.num_minibatches > 1 and steps == {config.num_minibatches}
+    assert stats["epochs"] == 1 and stats["stopped_early"] == 1.0
+
+
 def test_the_tuned_trainer_takes_the_update_of_part_one():
     # Part 3's hardware choices (frames stored channels-last, the network tuned, one thread while
     # sampling) leave the algorithm as it is: from the same start, the same rollout and update.
