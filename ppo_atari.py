@@ -1368,7 +1368,7 @@ def save_checkpoint(state: dict, path: Path) -> None:
     except BaseException as error:
         temporary.unlink(missing_ok=True)
         if isinstance(error.__context__, KeyboardInterrupt):  # torch.save, cut short, raises its own error
-            raise KeyboardInterrupt from None
+            raise error.__context__ from None
         raise
 
 
@@ -1523,41 +1523,61 @@ def log_update(writer, step: int, stats: dict[str, float], finished_games: list,
 #
 # Ctrl-C or SIGTERM asks a run to stop at the next safe point: between two steps of the games (the
 # unfinished rollout is dropped) or after an update. The checkpoint is then written and the exit
-# status is 128 plus the signal's number. A second signal aborts at once.
+# status is 128 plus the signal's number. A second signal aborts at once, and so does a first one
+# that comes before training begins.
 
 
 class StopRequest:
-    """Turns Ctrl-C (SIGINT) and SIGTERM into a request to stop at the next safe point.
+    """Ctrl-C (SIGINT) and SIGTERM for the life of a run: a request to stop at the next safe point, or an abort.
 
-    Training then saves a checkpoint and exits. A second signal aborts at once, unless it comes
+    Before `training` is set, a signal aborts the run at once: nothing is trained yet, so nothing is
+    lost. Once it is, the first signal sets the request (`stop()` is then true, and the run writes
+    a checkpoint at the next safe point and exits), and a second one aborts at once, unless it comes
     within `same_within` seconds of the first: under torchrun a terminal's Ctrl-C reaches each rank
-    twice, from the terminal and passed on by torchrun, and the two are one request.
+    twice, from the terminal and passed on by torchrun, and the two are one request. All three
+    scripts of this project decide alike, with this class; how a signal reaches `handle` and what
+    an abort does are `__enter__` and `abort`, which a script may make its own.
     """
 
     def __init__(self, announce: bool = True, same_within: float = 0.0):
         self.signal: int | None = None
         self.received = 0.0
+        self.training = False
         self.announce, self.same_within = announce, same_within
 
     def __call__(self) -> bool:
         return self.signal is not None
 
-    def __enter__(self) -> StopRequest:
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def _handle(self, signum: int, frame) -> None:
-        if self.signal is None:
+    def handle(self, signum: int) -> None:
+        if self.training and self.signal is None:
             self.signal, self.received = signum, time.monotonic()
             if self.announce:
                 print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
                       "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
-        elif time.monotonic() - self.received >= self.same_within:
-            raise KeyboardInterrupt
+        elif not self.training or time.monotonic() - self.received >= self.same_within:
+            self.abort("aborted by a second interrupt" if self.training else "interrupted before training began",
+                       signum)
+
+    def abort(self, why: str, signum: int) -> None:
+        """End the run at once: an `Aborted` raised in the main thread, which unwinds it."""
+        raise Aborted(why, signum)
+
+    def __enter__(self) -> StopRequest:
+        self.previous = {sig: signal.signal(sig, lambda signum, frame: self.handle(signum))
+                         for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
 
     def __exit__(self, *exc_info) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+class Aborted(KeyboardInterrupt):
+    """A signal that ends the run at once: `why`, in words, and the exit status it gives."""
+
+    def __init__(self, why: str, signum: int):
+        super().__init__(why)
+        self.why, self.status = why, 128 + signum
 
 
 class Stopped(Exception):
@@ -1615,10 +1635,9 @@ def undo_non_finite_updates(trainer: Trainer) -> None:
     trainer.update_policy = update_or_undo
 
 
-def aborted(checkpoint: Path | None) -> str:
-    """What a second Ctrl-C leaves: no new checkpoint, and the last one if there is one."""
-    return ("aborted by a second interrupt: no checkpoint written now; "
-            + (f"the last one is {checkpoint}" if checkpoint else "none was written"))
+def aborted(why: str, checkpoint: Path | None) -> str:
+    """What an abort leaves: no new checkpoint, and the last one if there is one."""
+    return f"{why}: no checkpoint written now; " + (f"the last one is {checkpoint}" if checkpoint else "none was written")
 
 
 def ignore_interrupts() -> None:
@@ -1634,12 +1653,12 @@ def ignore_interrupts() -> None:
 # what a real run adds after each update: logs, progress, checkpoints, and a stop when asked. With
 # several ranks (Part 4) each rank runs it, and rank 0 alone writes (and locks the directory).
 #
-# What Ctrl-C does, in every phase: the first asks for a stop (while the workers start, the run
-# stops at its first step); the checkpoint is written and the exit status is 130. A second one,
-# while the workers start, during training or while the checkpoint is written, aborts: no new
-# checkpoint (a half-written one is removed), the workers are closed, and the run exits 130 at
-# once, naming the last checkpoint there is. Once the last checkpoint is written, closing is not
-# interrupted.
+# What Ctrl-C does, in every phase. While the workers start, before training begins, it aborts
+# at once: nothing is trained yet. During training the first asks for a stop; the checkpoint is
+# written and the exit status is 130. A second one, during training or while the checkpoint is
+# written, aborts: no new checkpoint (a half-written one is removed), the workers are closed, and
+# the run exits 130 at once, naming the last checkpoint there is. Once the last checkpoint is
+# written, closing is not interrupted. (`ppo_jax.py` decides alike, with the same `StopRequest`.)
 
 
 def game_options(config: Config) -> dict:
@@ -1696,9 +1715,9 @@ def train(config: Config, env_id: str, checkpoint: dict | None = None) -> int:
         except WorkerError as error:  # while the workers start; `train_with` reports those of training
             print(f"{error}\nthe workers did not start; no training was done", file=sys.stderr)
             return 1
-        except KeyboardInterrupt:
-            print(f"\n{aborted(last_checkpoint(checkpoint_path, config.resume))}", file=sys.stderr)
-            return 130
+        except Aborted as abort:
+            print(f"\n{aborted(abort.why, last_checkpoint(checkpoint_path, config.resume))}", file=sys.stderr)
+            return abort.status
 
 
 def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Workers, device: torch.device,
@@ -1766,6 +1785,7 @@ def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Worke
             write_checkpoint()  # the last one, or the one after a stop, is written below
 
     stopped_by = 0
+    stop.training = True  # from here a first signal asks for a stop with a checkpoint, rather than aborting
     try:
         try:
             trainer.train(after_update)

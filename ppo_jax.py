@@ -1876,26 +1876,75 @@ def hyperparameter_table(config: Config, env_id: str) -> str:
 # go of Python's lock while it works. To exit at once the thread calls `os._exit`, which raises
 # nothing: an exception from a handler (`KeyboardInterrupt`) lands wherever the main thread happens
 # to be, and inside a finalizer Python can only print it as "Exception ignored" and go on.
+#
+# What to do with a signal is decided as in `ppo_atari.py` and `vpg_continuous.py`, by the same
+# `StopRequest`, word for word (a test holds the three to it); only how it hears a signal and how
+# it aborts are this script's own, in `SignalThread`.
 
 
 class StopRequest:
-    """Ctrl-C (SIGINT) and SIGTERM for the life of a training run: a request to stop at the next safe point, or an exit.
+    """Ctrl-C (SIGINT) and SIGTERM for the life of a run: a request to stop at the next safe point, or an abort.
 
-    Until `training` is set, a signal exits at once. After, the first one sets the request (`stop()`
-    is then true) and a second exits at once. An exit names `last_checkpoint()`, and waits for a
-    checkpoint being written (while `writing` is held) to be whole first.
+    Before `training` is set, a signal aborts the run at once: nothing is trained yet, so nothing is
+    lost. Once it is, the first signal sets the request (`stop()` is then true, and the run writes
+    a checkpoint at the next safe point and exits), and a second one aborts at once, unless it comes
+    within `same_within` seconds of the first: under torchrun a terminal's Ctrl-C reaches each rank
+    twice, from the terminal and passed on by torchrun, and the two are one request. All three
+    scripts of this project decide alike, with this class; how a signal reaches `handle` and what
+    an abort does are `__enter__` and `abort`, which a script may make its own.
     """
 
-    def __init__(self):
+    def __init__(self, announce: bool = True, same_within: float = 0.0):
         self.signal: int | None = None
+        self.received = 0.0
         self.training = False
-        self.last_checkpoint: Callable[[], Path | None] = lambda: None
-        self.writing = threading.Lock()
+        self.announce, self.same_within = announce, same_within
 
     def __call__(self) -> bool:
         return self.signal is not None
 
+    def handle(self, signum: int) -> None:
+        if self.training and self.signal is None:
+            self.signal, self.received = signum, time.monotonic()
+            if self.announce:
+                print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
+                      "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+        elif not self.training or time.monotonic() - self.received >= self.same_within:
+            self.abort("aborted by a second interrupt" if self.training else "interrupted before training began",
+                       signum)
+
+    def abort(self, why: str, signum: int) -> None:
+        """End the run at once: an `Aborted` raised in the main thread, which unwinds it."""
+        raise Aborted(why, signum)
+
     def __enter__(self) -> StopRequest:
+        self.previous = {sig: signal.signal(sig, lambda signum, frame: self.handle(signum))
+                         for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+
+class SignalThread(StopRequest):
+    """`StopRequest`, heard by a thread of its own, with an abort that ends the process from there.
+
+    While XLA compiles or runs a chunk, the main thread is in C++ for seconds at a time, and a
+    Python signal handler waits until it comes back. So the handlers here only wake a thread
+    (`signal.set_wakeup_fd` writes each signal's number into a pipe it reads), and that thread
+    decides. An abort cannot raise into the main thread from there: it names `last_checkpoint()`
+    and exits the process, after waiting for a checkpoint being written (while `writing` is held)
+    to be whole.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.last_checkpoint: Callable[[], Path | None] = lambda: None
+        self.writing = threading.Lock()
+
+    def __enter__(self) -> SignalThread:
         self.previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGINT, signal.SIGTERM)}
         self.pipe = os.pipe()
         os.set_blocking(self.pipe[1], False)
@@ -1906,15 +1955,9 @@ class StopRequest:
 
     def _watch(self) -> None:
         while (received := os.read(self.pipe[0], 1)) != b"\0":  # a zero byte: `__exit__` asks the thread to end
-            self._handle(received[0])
+            self.handle(received[0])
 
-    def _handle(self, signum: int) -> None:
-        if self.training and self.signal is None:
-            self.signal = signum
-            print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
-                  "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
-            return
-        why = "aborted by a second interrupt" if self.signal is not None else "interrupted before training began"
+    def abort(self, why: str, signum: int) -> None:
         with self.writing:
             last = self.last_checkpoint()
             print(f"\n{why}: no checkpoint written now; " + (f"the last one is {last}" if last else "none was written"),
@@ -1923,8 +1966,7 @@ class StopRequest:
 
     def __exit__(self, *exc_info) -> None:
         signal.set_wakeup_fd(self.previous_wakeup)
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+        super().__exit__(*exc_info)
         os.write(self.pipe[1], b"\0")
         self.watcher.join()
         for end in self.pipe:
@@ -1974,7 +2016,7 @@ def lock_run_dir(directory: Path) -> typing.IO:
 class Run:
     """The run directory, its lock, TensorBoard writers and checkpoint, and how a run ends."""
 
-    def __init__(self, config: RunConfig, env_id: str, checkpoint: dict | None, stop: StopRequest,
+    def __init__(self, config: RunConfig, env_id: str, checkpoint: dict | None, stop: SignalThread,
                  seed_writers: int = 0):
         if checkpoint is not None:
             self.dir = Path(config.run_dir or Path(config.resume).parent)
@@ -2546,7 +2588,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{env_id}: {len(returns) if len(returns) > 1 else returns.shape[1]} {what} "
                   f"{describe_returns(returns)}")
             return 0
-        with StopRequest() as stop:
+        with SignalThread() as stop:
             return (train_atari if family == "Atari" else train_gymnax)(config, env_id, checkpoint, stop)
     except ConfigError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)

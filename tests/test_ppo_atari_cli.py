@@ -219,6 +219,7 @@ def test_a_second_signal_aborts_one_process_at_once():
     # torchrun run, which hear each Ctrl-C twice, take two within a second as one.
     for same_within, aborts in [(0.0, True), (1.0, False)]:
         with ppo_atari.StopRequest(announce=False, same_within=same_within) as stop:
+            stop.training = True
             os.kill(os.getpid(), signal.SIGINT)
             assert stop() and stop.signal == signal.SIGINT
             try:

@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -71,30 +72,60 @@ def class_source(script: str, name: str) -> str:
     raise AssertionError(f"{script} has no class {name}")
 
 
-def test_the_stop_requests_of_the_pytorch_scripts_are_one_text():
-    # ppo_jax.py's StopRequest is its own design: it must act while XLA compiles or runs a chunk,
-    # when no Python frame is there to raise into, so a thread watches the signals and a second one
-    # exits the process. Its behaviour is tested in tests/test_ppo_jax_faults.py.
-    texts = {script: class_source(script, "StopRequest") for script in ["ppo_atari.py", "vpg_continuous.py"]}
+def test_the_three_scripts_decide_on_signals_with_one_stop_request():
+    # How a signal is heard and how a run aborts differ (ppo_jax.py's main thread sits in XLA, so a
+    # thread of its own hears them, `SignalThread`); what a signal does is decided by one text.
+    texts = {script: class_source(script, "StopRequest") for script in ["ppo_atari.py", "vpg_continuous.py", "ppo_jax.py"]}
     assert len(set(texts.values())) == 1, "the StopRequest copies differ"
 
 
+def stop_request_class():
+    """The shared `StopRequest`, taken from its source as every script has it, with aborts recorded."""
+    namespace = {"signal": signal, "sys": sys, "time": time}
+    exec("from __future__ import annotations\n" + class_source("ppo_jax.py", "StopRequest"), namespace)
+
+    class Recorded(namespace["StopRequest"]):
+        def abort(self, why, signum):
+            self.aborts.append((why, signum))
+
+    return Recorded
+
+
+def test_what_a_signal_does_in_each_phase_of_a_run():
+    stop = stop_request_class()(announce=False)
+    stop.aborts = []
+    stop.handle(signal.SIGINT)  # before training: nothing to save, abort at once
+    assert not stop() and stop.aborts == [("interrupted before training began", signal.SIGINT)]
+    stop.training, stop.aborts = True, []
+    stop.handle(signal.SIGTERM)  # the first in training: a request
+    assert stop() and stop.signal == signal.SIGTERM and stop.aborts == []
+    stop.handle(signal.SIGINT)  # a second, however soon, in one process: abort
+    assert stop.aborts == [("aborted by a second interrupt", signal.SIGINT)]
+
+
+def test_two_signals_at_once_are_one_request_among_ranks():
+    stop = stop_request_class()(announce=False, same_within=0.5)
+    stop.training, stop.aborts = True, []
+    stop.handle(signal.SIGINT)
+    stop.handle(signal.SIGINT)  # torchrun passes on the terminal's Ctrl-C: the same request
+    assert stop() and stop.aborts == []
+    time.sleep(0.6)
+    stop.handle(signal.SIGINT)
+    assert stop.aborts == [("aborted by a second interrupt", signal.SIGINT)]
+
+
 @pytest.mark.parametrize("module", [ppo_atari, vpg], ids=["ppo_atari", "vpg_continuous"])
-def test_a_second_ctrl_c_aborts_in_one_process_and_is_the_same_request_among_ranks(module):
-    # One process: the first Ctrl-C asks for a stop, the second, however soon, aborts.
+def test_the_pytorch_scripts_abort_by_raising_in_the_main_thread(module):
     with module.StopRequest(announce=False) as stop:
+        with pytest.raises(module.Aborted) as raised:
+            os.kill(os.getpid(), signal.SIGTERM)  # before training
+        assert raised.value.status == 143 and raised.value.why == "interrupted before training began"
+        stop.training = True
         os.kill(os.getpid(), signal.SIGINT)
         assert stop() and stop.signal == signal.SIGINT
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(module.Aborted) as raised:
             os.kill(os.getpid(), signal.SIGINT)
-    # Among several ranks a terminal's Ctrl-C arrives twice at once: within `same_within` it is one.
-    with module.StopRequest(announce=False, same_within=0.5) as stop:
-        os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGINT)
-        assert stop() and stop.signal == signal.SIGTERM
-        time.sleep(0.6)
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
+        assert raised.value.status == 130 and raised.value.why == "aborted by a second interrupt"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
