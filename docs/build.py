@@ -20,6 +20,9 @@ prose on the left and the code it explains on the right (prose above code on a n
   (`\begin{align}...`) is turned into MathML here, so the browser needs nothing from the network;
   a `$` inside code, strings included, is never math.
 * Code keeps the line numbers of the source file, and each line has an anchor (`#L42`).
+* A figure, `![what it shows](benchmarks/results/curve.png)` with its path from the repository
+  root, is copied to `docs/figures/`, so that the pages need nothing outside `docs/`; its alt text
+  is required, and `--check` finds a copy that differs from its source.
 
 The index lists the pages, each with what it teaches (its row in the README's table of scripts,
 or else the first paragraph of its module docstring), and shows the README's results.
@@ -325,11 +328,14 @@ class Markdown:
 
     One instance renders one page: it hands out unique heading ids and collects the headings for
     the contents. `links` maps a link target as written in a source (`ppo_atari.py`) to its target
-    from `docs/`; other relative links are taken to be relative to the repository root.
+    from `docs/`; other relative links are taken to be relative to the repository root. Figures
+    are files of the repository under `root`; each one shown is added to `figures` (its path under
+    `docs/`, and the file it is copied from).
     """
 
-    def __init__(self, links: dict[str, str]):
-        self.links = links
+    def __init__(self, links: dict[str, str], root: Path = ROOT, figures: dict[str, Path] | None = None):
+        self.links, self.root = links, root
+        self.figures = {} if figures is None else figures
         self.headings: list[tuple[int, str, str]] = []  # (level, id, inner HTML)
         self.ids: set[str] = set()
         self.where = ""
@@ -349,7 +355,7 @@ class Markdown:
                  "amsmath": math(True), "heading_open": rule(self._heading_open),
                  "heading_close": rule(lambda tokens, index, options, env: f"</{tokens[index].tag}>\n"),
                  "fence": rule(self._code_block), "code_block": rule(self._code_block),
-                 "link_open": rule(self._link_open)}
+                 "link_open": rule(self._link_open), "image": rule(self._image)}
         for name, function in rules.items():
             self.md.add_render_rule(name, function)
 
@@ -386,6 +392,24 @@ class Markdown:
         elif href and not re.match(r"[a-z][a-z0-9+.-]*:|#|/", href):
             token.attrSet("href", "../" + href)
         return self.md.renderer.renderToken(tokens, index, options, env)
+
+
+    def _image(self, tokens, index, options, env) -> str:
+        token = tokens[index]
+        source = token.attrGet("src") or ""
+        alt = self.md.renderer.renderInlineAsText(token.children or [], options, env).strip()
+        if not alt:
+            raise BuildError(f"{self.where}: the figure {source} has no alt text; say what it shows")
+        if re.match(r"[a-z][a-z0-9+.-]*:|/", source):
+            raise BuildError(f"{self.where}: the figure {source} is not a file of the repository "
+                             "(the pages load nothing from elsewhere)")
+        path = self.root / source
+        if not path.is_file():
+            raise BuildError(f"{self.where}: the figure {source} does not exist")
+        name = f"figures/{path.name}"
+        if self.figures.setdefault(name, path).resolve() != path.resolve():
+            raise BuildError(f"{self.where}: two figures are named {path.name}: {self.figures[name]} and {source}")
+        return f'<img class="figure" src="{html.escape(name)}" alt="{html.escape(alt)}">'
 
 
 # ## Highlighting
@@ -491,12 +515,13 @@ def contents_list(headings: list[tuple[int, str, str]]) -> str:
     return "".join(out)
 
 
-def render_script_page(script: Script, links: dict[str, str]) -> str:
-    """The page of one script."""
+def render_script_page(script: Script, links: dict[str, str], root: Path = ROOT,
+                       figures: dict[str, Path] | None = None) -> str:
+    """The page of one script; the figures it shows are added to `figures`."""
     name = script.path.name
     lines = source_lines(script.source)
     code_html = highlight_python(script.source, name)
-    markdown = Markdown(links)
+    markdown = Markdown(links, root, figures)
     sections = split_sections(script.source, name)
     # Prose first, so that every heading is known when the contents are placed in the first section.
     proses = ["".join(f'<div class="note" data-line="{piece.line}">\n'
@@ -562,9 +587,10 @@ def module_title_and_summary(source: str) -> tuple[str | None, str]:
     return (title.group(1).strip() if title else None), summary
 
 
-def render_index(scripts: list[Script], readme: str, links: dict[str, str]) -> str:
+def render_index(scripts: list[Script], readme: str, links: dict[str, str], root: Path = ROOT,
+                 figures: dict[str, Path] | None = None) -> str:
     title, intro, _, results = readme_parts(readme)
-    markdown = Markdown(links)
+    markdown = Markdown(links, root, figures)
     cards = []
     for script in scripts:
         cards.append(
@@ -610,31 +636,45 @@ def find_scripts(root: Path) -> list[Script]:
     return scripts
 
 
-def build(root: Path = ROOT) -> dict[Path, str]:
-    """Every generated page, by path, as it should be now."""
+def build(root: Path = ROOT) -> dict[Path, str | bytes]:
+    """Every generated file, by path, as it should be now: the pages (text) and the figures they show (bytes)."""
     scripts = find_scripts(root)
     links = {script.path.name: script.page for script in scripts}
     links.update({f"./{script.path.name}": script.page for script in scripts})
     docs = root / "docs"
-    pages = {docs / script.page: render_script_page(script, links) for script in scripts}
+    figures: dict[str, Path] = {}
+    pages: dict[Path, str | bytes] = {docs / script.page: render_script_page(script, links, root, figures)
+                                      for script in scripts}
     readme_path = root / "README.md"
     readme = readme_path.read_text(encoding="utf-8") if readme_path.exists() else ""
-    pages[docs / "index.html"] = render_index(scripts, readme, links)
+    pages[docs / "index.html"] = render_index(scripts, readme, links, root, figures)
+    pages.update({docs / name: source.read_bytes() for name, source in figures.items()})
     return pages
 
 
+def generated_files(root: Path) -> list[Path]:
+    """The files in `docs/` that the build makes: the pages and the copied figures."""
+    return sorted((root / "docs").glob("*.html")) + sorted((root / "docs" / "figures").glob("*"))
+
+
+def is_current(path: Path, content: str | bytes) -> bool:
+    if not path.exists():
+        return False
+    return path.read_bytes() == content if isinstance(content, bytes) else path.read_text(encoding="utf-8") == content
+
+
 def stale_pages(root: Path = ROOT) -> list[str]:
-    """What `--check` reports: pages missing or different, and generated pages with no source left."""
+    """What `--check` reports: pages and figures missing or different, and generated files with no source left."""
     pages = build(root)
     problems = []
-    for path, text in pages.items():
+    for path, content in pages.items():
         if not path.exists():
             problems.append(f"{path.relative_to(root)} is missing")
-        elif path.read_text(encoding="utf-8") != text:
+        elif not is_current(path, content):
             problems.append(f"{path.relative_to(root)} is stale")
-    for path in sorted((root / "docs").glob("*.html")):
+    for path in generated_files(root):
         if path not in pages:
-            problems.append(f"{path.relative_to(root)} has no script behind it any more")
+            problems.append(f"{path.relative_to(root)} has no source behind it any more")
     return problems
 
 
@@ -655,14 +695,18 @@ def main(argv: list[str] | None = None) -> int:
     except BuildError as error:
         print(f"docs/build.py: error: {error}", file=sys.stderr)
         return 2
-    for path, text in pages.items():
-        if not path.exists() or path.read_text(encoding="utf-8") != text:
-            path.write_text(text, encoding="utf-8", newline="\n")
+    for path, content in pages.items():
+        if not is_current(path, content):
+            path.parent.mkdir(exist_ok=True)
+            if isinstance(content, bytes):
+                path.write_bytes(content)
+            else:
+                path.write_text(content, encoding="utf-8", newline="\n")
             print(f"wrote {path.relative_to(ROOT)}")
-    for path in sorted((ROOT / "docs").glob("*.html")):
+    for path in generated_files(ROOT):
         if path not in pages:
             path.unlink()
-            print(f"removed {path.relative_to(ROOT)}: its script is gone")
+            print(f"removed {path.relative_to(ROOT)}: its source is gone")
     return 0
 
 

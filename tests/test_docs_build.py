@@ -257,6 +257,7 @@ def copy_of_repository(tmp_path: Path) -> Path:
         shutil.copy(path, tmp_path)
     shutil.copy(ROOT / "README.md", tmp_path)
     shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")  # the figures
     return tmp_path
 
 
@@ -289,7 +290,7 @@ def test_check_names_a_missing_page_and_a_page_whose_script_is_gone(tmp_path):
     (root / "docs" / "gone.html").write_text("<!DOCTYPE html>")
     result = run_build(root, "--check")
     assert result.returncode == 1
-    assert "docs/extra.html is missing" in result.stderr and "docs/gone.html has no script" in result.stderr
+    assert "docs/extra.html is missing" in result.stderr and "docs/gone.html has no source" in result.stderr
 
 
 PARTS = ["Part 1: The algorithm", "Part 2: Sampling at speed", "Part 3: Running it for real",
@@ -314,3 +315,49 @@ def test_each_page_reads_in_the_four_parts_and_its_contents_nest_under_them(scri
         else:
             nested += 1
     assert top == PARTS and nested == sum(level == "###" for level, _ in headings)
+
+
+def a_figure(root: Path, name: str = "curve.png", content: bytes = b"\x89PNG fake") -> Path:
+    path = root / "benchmarks" / "results" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    return path
+
+
+def test_a_figure_is_copied_beside_the_pages_with_its_alt_text(tmp_path):
+    (tmp_path / "docs").mkdir()
+    a_figure(tmp_path)
+    (tmp_path / "sample.py").write_text(
+        '"""# Sample\n\n![The return against steps, for 4 seeds](benchmarks/results/curve.png)\n"""\n')
+    (tmp_path / "README.md").write_text("# P\n\n## Results\n\n![The same curve](benchmarks/results/curve.png)\n")
+    pages = build.build(tmp_path)
+    assert pages[tmp_path / "docs" / "figures" / "curve.png"] == b"\x89PNG fake"
+    for page, alt in [("sample.html", "The return against steps, for 4 seeds"), ("index.html", "The same curve")]:
+        assert f'<img class="figure" src="figures/curve.png" alt="{alt}">' in pages[tmp_path / "docs" / page]
+
+
+@pytest.mark.parametrize("markdown, message", [
+    ("![](benchmarks/results/curve.png)", "has no alt text"),
+    ("![A curve](benchmarks/results/none.png)", "benchmarks/results/none.png does not exist"),
+    ("![A curve](https://example.org/curve.png)", "is not a file of the repository"),
+])
+def test_a_figure_without_alt_text_or_file_is_an_error_naming_the_line(tmp_path, markdown, message):
+    (tmp_path / "docs").mkdir()
+    a_figure(tmp_path)
+    (tmp_path / "sample.py").write_text(f'x = 1\n\n# {markdown}\ny = 2\n')
+    with pytest.raises(build.BuildError, match=f"sample.py:3: .*{re.escape(message)}"):
+        build.build(tmp_path)
+
+
+def test_check_finds_a_stale_figure_and_one_no_page_shows(tmp_path):
+    root = copy_of_repository(tmp_path)
+    figure = next((root / "docs" / "figures").glob("*.png"))
+    source = root / "benchmarks" / "results" / figure.name
+    source.write_bytes(source.read_bytes() + b"\0")
+    (root / "docs" / "figures" / "unused.png").write_bytes(b"")
+    result = run_build(root, "--check")
+    assert result.returncode == 1
+    assert f"docs/figures/{figure.name} is stale" in result.stderr
+    assert "docs/figures/unused.png has no source" in result.stderr
+    assert run_build(root).returncode == 0 and run_build(root, "--check").returncode == 0
+    assert figure.read_bytes() == source.read_bytes() and not (root / "docs" / "figures" / "unused.png").exists()

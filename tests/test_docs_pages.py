@@ -296,6 +296,22 @@ def test_the_index_links_every_page_and_shows_the_results(opened):
     assert page.evaluate("document.querySelectorAll('table td').length") > 0
 
 
+@pytest.mark.parametrize("viewport", [LAPTOP, PHONE], ids=["laptop", "phone"])
+@pytest.mark.parametrize("name", PAGES + ["index.html"])
+def test_every_figure_loads_says_what_it_shows_and_fits_its_column(opened, name, viewport):
+    page = opened(name, viewport).page
+    page.evaluate("Promise.all([...document.images].map(i => i.decode().catch(() => null)))")
+    figures = page.evaluate("""() => [...document.querySelectorAll('img')].map(i => ({
+        src: i.getAttribute('src'), alt: i.alt, loaded: i.complete && i.naturalWidth > 0,
+        width: i.getBoundingClientRect().width, room: i.parentElement.getBoundingClientRect().width}))""")
+    for figure in figures:
+        assert figure["src"].startswith("figures/") and figure["loaded"], figure
+        assert len(figure["alt"].split()) >= 5, f"the alt text of {figure['src']} should say what it shows"
+        assert 0 < figure["width"] <= figure["room"] + 1, figure
+    if name == "index.html":
+        assert figures, "the README's results open with the learning curves"
+
+
 def test_the_folder_serves_as_a_static_site(browser):
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(DOCS))
     handler.log_message = lambda *args: None

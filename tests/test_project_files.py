@@ -30,3 +30,13 @@ def test_the_citation_file_holds_what_citation_cff_requires():
     for key in ["cff-version: 1.2.0", "message:", "title:", "authors:", "license: MIT"]:
         assert re.search(rf"^{re.escape(key)}", text, re.M), key
     assert "\t" not in text  # YAML forbids tabs for indentation
+
+
+def test_the_readmes_results_open_with_the_figures():
+    readme = (ROOT / "README.md").read_text()
+    results = readme[readme.index("\n## Results\n"):]
+    results = results[:results.find("\n## ", 1)]
+    first_figure, first_table = results.find("!["), results.find("\n| ")
+    assert first_figure != -1 and first_figure < first_table, "the curves come before the speed tables"
+    for path in re.findall(r"!\[[^\]]+\]\(([^)]+)\)", results):
+        assert (ROOT / path).is_file(), path
