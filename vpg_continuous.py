@@ -4,9 +4,9 @@ r"""
 This page trains a robot to run, hop or balance with the simplest policy-gradient method done
 right: vanilla policy gradient (VPG) with a learned value function as its baseline and generalized
 advantage estimation. It is written to be read top to bottom, and everything it needs is in this
-one file. It shows the algorithm first, for one process: the running normalisation of
-observations and rewards, the Gaussian policy and the value network, GAE, the policy gradient
-itself, and the loop of training. The engineering follows: the processes that step many copies of
+one file. It shows the algorithm first, for one process: the Gaussian policy and the value
+network, GAE, the policy gradient itself, the running normalisation of observations and rewards,
+and the loop of training. The engineering follows: the processes that step many copies of
 the task at once, the command line, checkpoints and logs, and data-parallel training.
 
 ```
@@ -57,10 +57,10 @@ al., 2018, arXiv:1712.00378); the on-policy design choices studied by Andrychowi
 The page in order:
 
 1. **The algorithm**, for one process: the hyperparameters (`Config`, with where each default
-   comes from); the environment (`Task`); what the learner sees (`RunningMeanStd`,
-   `ObservationNormalizer`, `RewardScaler`); the model (`GaussianPolicy`, `ValueFunction`, built by
+   comes from); the environment (`Task`); the model (`GaussianPolicy`, `ValueFunction`, built by
    `make_networks`); the advantages (`compute_gae`, `normalize_advantages`); the policy gradient
-   (`vpg_loss`); the rollout, the update and the loop of training (`Trainer`).
+   (`vpg_loss`); what the learner sees (`RunningMeanStd`, `ObservationNormalizer`,
+   `RewardScaler`); the rollout, the update and the loop of training (`Trainer`).
 2. **Sampling at speed**: `Workers`, many envs in other processes, observations in shared memory.
 3. **Running it for real**: the command line and its validation, the hardware choices,
    checkpoints, logging and progress, signals (`StopRequest`), the run (`train`), evaluation and
@@ -333,148 +333,6 @@ class Task:
 
     def close(self) -> None:
         self.env.close()
-
-
-# ### What the learner sees: normalised observations and rewards
-#
-# MuJoCo's observations mix joint angles (a fraction of a radian) with joint velocities (tens of
-# radians a second), and they drift as the policy improves and the robot moves faster. A network
-# learns poorly from inputs whose scales differ by orders of magnitude, so each observation is
-# standardised with the running mean and variance of all observations seen so far. Rewards are
-# divided by a running estimate of the scale of the return, so that the value function regresses to
-# targets of about unit size whatever the task's reward scale. Both statistics belong to the policy
-# as much as its weights do: they are saved in the checkpoint and used, frozen, at evaluation.
-
-
-class RunningMeanStd:
-    r"""The mean and variance of every array seen so far, kept without keeping the arrays.
-
-    Two sets of $n_A$ and $n_B$ samples with means $\mu_A, \mu_B$ and variances $\sigma^2_A,
-    \sigma^2_B$ combine exactly (Chan, Golub and LeVeque, 1979, the parallel form of Welford's
-    algorithm):
-
-    $$\delta = \mu_B - \mu_A, \qquad n = n_A + n_B, \qquad \mu = \mu_A + \delta \frac{n_B}{n},$$
-
-    $$\sigma^2 = \frac{n_A \sigma^2_A + n_B \sigma^2_B + \delta^2 n_A n_B / n}{n}.$$
-
-    `merge` applies it to the statistics of another stream (kept by another process, say); `update`
-    merges in the statistics of one batch, which at each step holds an observation from every env
-    of every worker. The variance is that of the whole population seen (numpy's `var` with
-    `ddof=0`), computed in float64.
-
-    They start from nothing (a count of 0: the first merge replaces the mean and variance), or with
-    `prior_count` > 0 as if that many samples of mean 0 and variance 1 had been seen already.
-    """
-
-    def __init__(self, shape: tuple[int, ...] = (), prior_count: int = 0):
-        self.mean = np.zeros(shape, np.float64)
-        self.var = np.ones(shape, np.float64)
-        self.count = prior_count
-
-    @classmethod
-    def of(cls, batch: np.ndarray) -> RunningMeanStd:
-        """The statistics of `batch` alone, over its first axis."""
-        batch = np.asarray(batch, np.float64)
-        stats = cls(batch.shape[1:])
-        stats.mean, stats.var, stats.count = np.asarray(batch.mean(0)), np.asarray(batch.var(0)), batch.shape[0]
-        return stats
-
-    def update(self, batch: np.ndarray) -> None:
-        self.merge(RunningMeanStd.of(batch))
-
-    def merge(self, other: RunningMeanStd) -> None:
-        if other.count == 0:
-            return
-        total = self.count + other.count
-        delta = other.mean - self.mean
-        squares = self.var * self.count + other.var * other.count + delta ** 2 * self.count * other.count / total
-        self.mean = self.mean + delta * (other.count / total)
-        self.var = squares / total
-        self.count = total
-
-    def state_dict(self) -> dict:
-        return {"mean": torch.tensor(self.mean), "var": torch.tensor(self.var), "count": self.count}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.mean = state["mean"].numpy().astype(np.float64)
-        self.var = state["var"].numpy().astype(np.float64)
-        self.count = int(state["count"])
-
-
-class ObservationNormalizer:
-    r"""Observations standardised by running statistics: $\mathrm{clip}((o - \mu) / \sqrt{\sigma^2 + 10^{-8}}, -10, 10)$.
-
-    The clip keeps one freak observation (a robot flung at great speed) from producing an input far
-    outside anything the network was trained on. With `enabled=False` observations pass unchanged.
-
-    The statistics start from nothing, and need no prior (unlike `RewardScaler`'s): each
-    observation is folded in before it is normalised, and a sample lies within $\sqrt{n - 1}$
-    standard deviations of the mean of $n$ that include it: the first observation of one env comes
-    out 0, the second $\pm 1$.
-    """
-
-    def __init__(self, obs_dim: int, enabled: bool = True, clip: float = 10.0):
-        self.stats = RunningMeanStd((obs_dim,))
-        self.enabled = enabled
-        self.clip = clip
-
-    def update(self, obs: np.ndarray) -> None:
-        if self.enabled:
-            self.stats.update(obs)
-
-    def __call__(self, obs: np.ndarray) -> np.ndarray:
-        """`obs` normalised with the statistics as they are now, as float32."""
-        if not self.enabled:
-            return np.asarray(obs, np.float32)
-        normalized = (obs - self.stats.mean) / np.sqrt(self.stats.var + 1e-8)
-        return np.clip(normalized, -self.clip, self.clip).astype(np.float32)
-
-    def state_dict(self) -> dict:
-        return self.stats.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.stats.load_state_dict(state)
-
-
-class RewardScaler:
-    r"""Rewards divided by the running standard deviation of the discounted return, then clipped to $\pm 10$.
-
-    Each env keeps $G_t = \gamma G_{t-1} + r_t$, restarted at every episode's end, and the reward
-    becomes $\mathrm{clip}(r_t / \sqrt{\mathrm{Var}[G] + 10^{-8}}, -10, 10)$, the variance over all
-    $G_t$ seen so far. Dividing (not centring) keeps the sign of every reward, so the task stays
-    the same task; only the value function's targets change scale. The clip, as in baselines'
-    `VecNormalize` and CleanRL's `ppo_continuous_action`, keeps one freak reward from becoming a
-    target far out of the value function's reach. The episodic returns we log are the env's own,
-    unscaled.
-
-    **The start.** The statistics start as if one return of mean 0 and variance 1 had been seen
-    (`prior_count=1`). From no returns at all, the first step's variance would be that of the
-    first returns alone: with one env (one per rank under torchrun, say) it is 0, and the first
-    reward was multiplied by $1/\sqrt{10^{-8}} = 10^4$. With the prior, one env's first reward $r$
-    is divided by $\sqrt{1/2 + r^2/4}$, which keeps it within $\pm 2$, and the prior weighs as one
-    return among all those that follow. baselines and gymnasium (whose `NormalizeReward` CleanRL
-    uses, one per env) also start at mean 0 and variance 1, but with a count of $10^{-4}$: one env's
-    first $r$ is then divided by about $0.01\sqrt{1 + r^2}$ (multiplied by 70 for $r = 1$), and only
-    their clip at 10 holds it.
-
-    On HalfCheetah it mattered more than observation normalisation (the table under `Config`): a
-    cheetah that runs earns several points a step, so discounted returns reach the hundreds, and a
-    value function that starts near 0 and whose weights Adam moves about $10^{-3}$ a step lags far
-    behind such targets, leaving the advantages to its errors.
-    """
-
-    def __init__(self, num_envs: int, gamma: float, clip: float = 10.0):
-        self.gamma = gamma
-        self.returns = np.zeros(num_envs, np.float64)
-        self.stats = RunningMeanStd(prior_count=1)
-        self.clip = clip
-
-    def __call__(self, rewards: np.ndarray, done: np.ndarray) -> np.ndarray:
-        self.returns = self.returns * self.gamma + rewards
-        self.stats.update(self.returns)
-        self.returns[done] = 0.0
-        scaled = rewards / np.sqrt(self.stats.var + 1e-8)
-        return np.clip(scaled, -self.clip, self.clip).astype(np.float32)
 
 
 # ### The model
@@ -750,6 +608,148 @@ def explained_variance(predictions: torch.Tensor, targets: torch.Tensor) -> floa
     r"""$1 - \mathrm{Var}[y - \hat y] / \mathrm{Var}[y]$: 1 for a perfect value function, 0 for a constant one."""
     variance = targets.var()
     return float("nan") if variance == 0 else float(1.0 - (targets - predictions).var() / variance)
+
+
+# ### What the learner sees: normalised observations and rewards
+#
+# MuJoCo's observations mix joint angles (a fraction of a radian) with joint velocities (tens of
+# radians a second), and they drift as the policy improves and the robot moves faster. A network
+# learns poorly from inputs whose scales differ by orders of magnitude, so each observation is
+# standardised with the running mean and variance of all observations seen so far. Rewards are
+# divided by a running estimate of the scale of the return, so that the value function regresses to
+# targets of about unit size whatever the task's reward scale. Both statistics belong to the policy
+# as much as its weights do: they are saved in the checkpoint and used, frozen, at evaluation.
+
+
+class RunningMeanStd:
+    r"""The mean and variance of every array seen so far, kept without keeping the arrays.
+
+    Two sets of $n_A$ and $n_B$ samples with means $\mu_A, \mu_B$ and variances $\sigma^2_A,
+    \sigma^2_B$ combine exactly (Chan, Golub and LeVeque, 1979, the parallel form of Welford's
+    algorithm):
+
+    $$\delta = \mu_B - \mu_A, \qquad n = n_A + n_B, \qquad \mu = \mu_A + \delta \frac{n_B}{n},$$
+
+    $$\sigma^2 = \frac{n_A \sigma^2_A + n_B \sigma^2_B + \delta^2 n_A n_B / n}{n}.$$
+
+    `merge` applies it to the statistics of another stream (kept by another process, say); `update`
+    merges in the statistics of one batch, which at each step holds an observation from every env
+    of every worker. The variance is that of the whole population seen (numpy's `var` with
+    `ddof=0`), computed in float64.
+
+    They start from nothing (a count of 0: the first merge replaces the mean and variance), or with
+    `prior_count` > 0 as if that many samples of mean 0 and variance 1 had been seen already.
+    """
+
+    def __init__(self, shape: tuple[int, ...] = (), prior_count: int = 0):
+        self.mean = np.zeros(shape, np.float64)
+        self.var = np.ones(shape, np.float64)
+        self.count = prior_count
+
+    @classmethod
+    def of(cls, batch: np.ndarray) -> RunningMeanStd:
+        """The statistics of `batch` alone, over its first axis."""
+        batch = np.asarray(batch, np.float64)
+        stats = cls(batch.shape[1:])
+        stats.mean, stats.var, stats.count = np.asarray(batch.mean(0)), np.asarray(batch.var(0)), batch.shape[0]
+        return stats
+
+    def update(self, batch: np.ndarray) -> None:
+        self.merge(RunningMeanStd.of(batch))
+
+    def merge(self, other: RunningMeanStd) -> None:
+        if other.count == 0:
+            return
+        total = self.count + other.count
+        delta = other.mean - self.mean
+        squares = self.var * self.count + other.var * other.count + delta ** 2 * self.count * other.count / total
+        self.mean = self.mean + delta * (other.count / total)
+        self.var = squares / total
+        self.count = total
+
+    def state_dict(self) -> dict:
+        return {"mean": torch.tensor(self.mean), "var": torch.tensor(self.var), "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean = state["mean"].numpy().astype(np.float64)
+        self.var = state["var"].numpy().astype(np.float64)
+        self.count = int(state["count"])
+
+
+class ObservationNormalizer:
+    r"""Observations standardised by running statistics: $\mathrm{clip}((o - \mu) / \sqrt{\sigma^2 + 10^{-8}}, -10, 10)$.
+
+    The clip keeps one freak observation (a robot flung at great speed) from producing an input far
+    outside anything the network was trained on. With `enabled=False` observations pass unchanged.
+
+    The statistics start from nothing, and need no prior (unlike `RewardScaler`'s): each
+    observation is folded in before it is normalised, and a sample lies within $\sqrt{n - 1}$
+    standard deviations of the mean of $n$ that include it: the first observation of one env comes
+    out 0, the second $\pm 1$.
+    """
+
+    def __init__(self, obs_dim: int, enabled: bool = True, clip: float = 10.0):
+        self.stats = RunningMeanStd((obs_dim,))
+        self.enabled = enabled
+        self.clip = clip
+
+    def update(self, obs: np.ndarray) -> None:
+        if self.enabled:
+            self.stats.update(obs)
+
+    def __call__(self, obs: np.ndarray) -> np.ndarray:
+        """`obs` normalised with the statistics as they are now, as float32."""
+        if not self.enabled:
+            return np.asarray(obs, np.float32)
+        normalized = (obs - self.stats.mean) / np.sqrt(self.stats.var + 1e-8)
+        return np.clip(normalized, -self.clip, self.clip).astype(np.float32)
+
+    def state_dict(self) -> dict:
+        return self.stats.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stats.load_state_dict(state)
+
+
+class RewardScaler:
+    r"""Rewards divided by the running standard deviation of the discounted return, then clipped to $\pm 10$.
+
+    Each env keeps $G_t = \gamma G_{t-1} + r_t$, restarted at every episode's end, and the reward
+    becomes $\mathrm{clip}(r_t / \sqrt{\mathrm{Var}[G] + 10^{-8}}, -10, 10)$, the variance over all
+    $G_t$ seen so far. Dividing (not centring) keeps the sign of every reward, so the task stays
+    the same task; only the value function's targets change scale. The clip, as in baselines'
+    `VecNormalize` and CleanRL's `ppo_continuous_action`, keeps one freak reward from becoming a
+    target far out of the value function's reach. The episodic returns we log are the env's own,
+    unscaled.
+
+    **The start.** The statistics start as if one return of mean 0 and variance 1 had been seen
+    (`prior_count=1`). From no returns at all, the first step's variance would be that of the
+    first returns alone: with one env (one per rank under torchrun, say) it is 0, and the first
+    reward was multiplied by $1/\sqrt{10^{-8}} = 10^4$. With the prior, one env's first reward $r$
+    is divided by $\sqrt{1/2 + r^2/4}$, which keeps it within $\pm 2$, and the prior weighs as one
+    return among all those that follow. baselines and gymnasium (whose `NormalizeReward` CleanRL
+    uses, one per env) also start at mean 0 and variance 1, but with a count of $10^{-4}$: one env's
+    first $r$ is then divided by about $0.01\sqrt{1 + r^2}$ (multiplied by 70 for $r = 1$), and only
+    their clip at 10 holds it.
+
+    On HalfCheetah it mattered more than observation normalisation (the table under `Config`): a
+    cheetah that runs earns several points a step, so discounted returns reach the hundreds, and a
+    value function that starts near 0 and whose weights Adam moves about $10^{-3}$ a step lags far
+    behind such targets, leaving the advantages to its errors.
+    """
+
+    def __init__(self, num_envs: int, gamma: float, clip: float = 10.0):
+        self.gamma = gamma
+        self.returns = np.zeros(num_envs, np.float64)
+        self.stats = RunningMeanStd(prior_count=1)
+        self.clip = clip
+
+    def __call__(self, rewards: np.ndarray, done: np.ndarray) -> np.ndarray:
+        self.returns = self.returns * self.gamma + rewards
+        self.stats.update(self.returns)
+        self.returns[done] = 0.0
+        scaled = rewards / np.sqrt(self.stats.var + 1e-8)
+        return np.clip(scaled, -self.clip, self.clip).astype(np.float32)
 
 
 # ### The rollout and the update
