@@ -183,12 +183,6 @@ def test_the_logged_return_is_the_real_score_and_learning_sees_its_sign():
         assert lengths[end, game] == 600
 
 
-def test_an_atari_run_trains_one_agent(run):
-    result = run("--env", "Breakout", "--num-seeds", 2)
-    assert result.returncode == 2 and result.stderr.count("\n") == 1
-    assert result.stderr.startswith("ppo_jax.py: error: --num-seeds is for gymnax environments")
-
-
 # Two updates of 4 games x 32 steps; games are cut at 200 frames (49 agent steps after the serve),
 # so that some end, by truncation, within the run.
 SHORT = ["--env", "Breakout", "--num-envs", 4, "--num-steps", 32, "--num-minibatches", 2, "--update-epochs", 1,
