@@ -556,13 +556,12 @@ def explained_variance(predictions: jax.Array, targets: jax.Array, valid: jax.Ar
 
 # ### The update
 #
-# Both paths of this page, the compiled run on gymnax and the Atari trainer, end every rollout in
-# the same function: `update_agent` turns a rollout into advantages and runs `update_epochs` passes
-# of shuffled minibatches over it. In PyTorch these are two `for` loops; here they are two nested
+# Every rollout, on gymnax or on Atari, ends in the same function: `update_agent` turns a rollout
+# into advantages and runs `update_epochs` passes of shuffled minibatches over it. In PyTorch these are two `for` loops; here they are two nested
 # scans, the outer over epochs (each with its own shuffle), the inner over minibatches. A scan has no
-# `break`, so the two ways an update can end early, a KL divergence past `--target-kl` and a step
-# that has diverged (`diverged`, below), become flags in the carry that turn the remaining steps
-# into no-ops.
+# `break`, so the two ways an update can end early, a KL divergence past `--target-kl` (checked
+# after each epoch, as CleanRL checks it) and a step that has diverged (`diverged`, below), become
+# flags in the carry that turn the remaining steps into no-ops.
 
 
 class Agent(NamedTuple):
@@ -850,7 +849,7 @@ def make_train(config: Config, env_id: str | None = None) -> Training:
 #
 # This page once played Atari as `ppo_atari.py` does, in worker processes driven over pipes with
 # shared memory, with copies of its `Game` and `Workers`; they are gone from here. Worker processes
-# are taught on [`ppo_atari.py`'s page](ppo_atari.html), where PyTorch's eager loop needs them; in a
+# are taught on [`ppo_atari.py`'s page](ppo_atari.py), where PyTorch's eager loop needs them; in a
 # compiled program the vector environment's threads do that work, and what `Game` did by hand, the
 # frame skip, the max-pool, the grey 84 x 84 frames, the no-op starts and the lives, is set on the
 # vector environment below, explicitly, and checked by tests against `ppo_atari.py`'s `Game`.
@@ -902,7 +901,9 @@ def game_name(env_id: str) -> str:
 #   after a lost life. The library presses it for one frame at a reset only, *before* its no-ops,
 #   and never after a lost life: the agent would have to learn to serve. We turn that off and
 #   press FIRE ourselves, for a whole step (4 frames), after the no-ops of every new game and,
-#   when a lost life ends the learning episode, after each lost life, as `Game` does.
+#   when a lost life ends the learning episode, after each lost life, as `Game` does (it serves
+#   within the step that lost the life; here the serve is a step of its own, and the frame after
+#   it is `Game`'s, to the pixel).
 # * **No-ops.** The library draws 0 to `noop_max - 1` no-op frames; we ask it for `noop_max + 1`,
 #   so that a game starts after 0 to `noop_max` of them (baselines: 1 to 30).
 # * **The stack.** The library's stack starts a game with three black frames. We take its newest
@@ -915,10 +916,13 @@ def game_name(env_id: str) -> str:
 # the action is ignored, and the first observation of the next game comes back, with a reward of 0.
 # That call is no transition of the agent's: no action of its led from the last observation of
 # one game to the first of another. Learning from it would credit a random action with a game's
-# restart, as implementations that feed such a step to their loss as an ordinary one do. Our FIRE steps are the same kind of step: played by the
-# wrapper, not chosen by the agent. Such steps are marked `valid = False` in `StepInfo`; the loss
-# leaves them out (Part 1), and the advantages need no change, since such a step always follows an
-# episode's end.
+# restart, as implementations that feed such a step to their loss as an ordinary one do. Our FIRE
+# steps are of the same kind: played by the wrapper, not chosen by the agent. Such steps are marked
+# `valid = False` in `StepInfo`; the loss leaves them out (Part 1), and the advantages need no
+# change, since such a step always follows an episode's end. They cost a little: a game of Breakout
+# spends two steps on its reset and its first serve, and one on each of the four serves after a
+# lost life: about 5% of the steps of a random agent's games, and far less of a good agent's, which
+# last thousands of steps.
 
 PLAY, RESET, FIRE = 0, 1, 2
 """What a game's next step is: the agent's action, the vector env's reset (any action is ignored), or FIRE."""
