@@ -964,15 +964,15 @@ class AtariEnv:
                              life_loss_info=config.life_loss, reward_clipping=False,
                              max_num_frames_per_episode=config.max_episode_frames, full_action_space=False)
         self.game = game_name(env_id)
-        self.vector_env = AtariVectorEnv(self.game, num_envs, stack_num=1, grayscale=True, img_height=84,
-                                         img_width=84, maxpool=True, **self.settings)
+        # The agent sees a stack of 4 grey frames of 84 x 84; the vector env gives the newest only.
+        self.obs_shape = (4, 84, 84)
+        self.vector_env = AtariVectorEnv(self.game, num_envs, stack_num=1, grayscale=True,
+                                         img_height=self.obs_shape[1], img_width=self.obs_shape[2], maxpool=True,
+                                         **self.settings)
         self.handle, self.xla_reset, self.xla_step = self.vector_env.xla()
         actions = self.vector_env.ale.get_action_set()
         self.action_dim = len(actions)
         self.fire = len(actions) >= 3 and actions[1] == ale_py.Action.FIRE
-        self.obs_shape = (4, 84, 84)
-        # The most agent steps a game can last, for an evaluation that plays whole games.
-        self.max_steps = -(-config.max_episode_frames // config.frame_skip)
 
     def seeds(self, key: jax.Array) -> jax.Array:
         """A seed for each game, from `key`: the games of a run are a function of its key."""
@@ -980,7 +980,7 @@ class AtariEnv:
 
     def reset(self, key: jax.Array) -> tuple[jax.Array, AtariState]:
         handle, (frame, info) = self.xla_reset(self.handle, self.seeds(key))
-        frames = jnp.repeat(frame, 4, axis=1)
+        frames = jnp.repeat(frame, self.obs_shape[0], axis=1)
         first = jnp.full(self.num_envs, FIRE if self.fire else PLAY, jnp.int32)
         state = AtariState(handle, frames, info["lives"], first, info["episode_frame_number"],
                            info["episode_frame_number"])
@@ -996,7 +996,8 @@ class AtariEnv:
                                                                              self.actions_played(state, actions))
         # A step of the wrapper's (a reset, a FIRE) starts the stack afresh, with its frame four times.
         fresh = (state.next_step != PLAY)[:, None, None, None]
-        frames = jnp.where(fresh, jnp.repeat(frame, 4, axis=1), jnp.concatenate([state.frames[:, 1:], frame], axis=1))
+        frames = jnp.where(fresh, jnp.repeat(frame, self.obs_shape[0], axis=1),
+                           jnp.concatenate([state.frames[:, 1:], frame], axis=1))
         lives, frame_number = info["lives"], info["episode_frame_number"]
         resetting = state.next_step == RESET
         start_frame = jnp.where(resetting, frame_number, state.start_frame)
