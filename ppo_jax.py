@@ -47,9 +47,9 @@ agents side by side gain little from `vmap` (sixteen ran at 181,000 steps a seco
 144,000 for one): PureJaxRL's thousands of agents at once are a GPU's game.
 Pendulum-v1 with its preset: four agents between -147 and -159 after 1M steps each.
 Breakout-MinAtar: a return of 7 after 2M steps (its 10M-step preset was not run here). Atari
-Breakout, its games stepped inside the compiled program (Part 2): the games alone run 2.6 times as
-fast as `ppo_atari.py`'s worker processes (2,253 against 881 steps a second, on a loaded machine),
-and the update is what limits a CPU: XLA's CPU backend computes it in float32, 2.6 s for an
+Breakout, its games stepped inside the compiled program (Part 2): the games alone step faster than
+`ppo_atari.py`'s worker processes (1,936 and 2,253 steps a second against 1,741 and 881, in two
+measurements on a loaded machine), and the update is what limits a CPU: XLA's CPU backend computes it in float32, 2.6 s for an
 iteration of 8 games x 128 steps (measured on a quiet machine, when this page fed the same update
 from worker processes), where `ppo_atari.py`'s bfloat16 torso takes 0.6 s in PyTorch.
 
