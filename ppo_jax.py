@@ -17,7 +17,7 @@ python ppo_jax.py                                      # CartPole-v1, one agent
 python ppo_jax.py --num-seeds 16                       # sixteen agents in one program, on every device
 python ppo_jax.py --env Breakout-MinAtar               # MinAtar, a small CNN
 python ppo_jax.py --env Pendulum-v1                    # continuous actions, a Gaussian policy
-python ppo_jax.py --env Breakout                       # real Atari, through worker processes
+python ppo_jax.py --env Breakout                       # real Atari, its games stepped inside the program
 python ppo_jax.py --eval runs/<run>/checkpoint.msgpack
 ```
 
@@ -47,8 +47,11 @@ agents side by side gain little from `vmap` (sixteen ran at 181,000 steps a seco
 144,000 for one): PureJaxRL's thousands of agents at once are a GPU's game.
 Pendulum-v1 with its preset: four agents between -147 and -159 after 1M steps each.
 Breakout-MinAtar: a return of 7 after 2M steps (its 10M-step preset was not run here). Atari
-Breakout: 294 steps a second, against 677 for `ppo_atari.py` (bfloat16), all the difference in the
-update, which XLA's CPU backend runs slower than PyTorch's oneDNN kernels (see Part 2).
+Breakout, its games stepped inside the compiled program (Part 2): the games alone step faster than
+`ppo_atari.py`'s worker processes (1,936 and 2,253 steps a second against 1,741 and 881, in two
+measurements on a loaded machine), and the update is what limits a CPU: XLA's CPU backend computes it in float32, 2.6 s for an
+iteration of 8 games x 128 steps (measured on a quiet machine, when this page fed the same update
+from worker processes), where `ppo_atari.py`'s bfloat16 torso takes 0.6 s in PyTorch.
 
 Papers and projects: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); PureJaxRL, the whole run as one JAX program (Lu et al., 2022, "Discovered Policy
@@ -66,7 +69,8 @@ The page in order:
    (`BatchedEnv`); the policy distributions and the actor-critics (`make_network`); `compute_gae`
    and `normalize_advantages`; `ppo_loss`; the update (`make_update_agent`, two nested scans); the
    loop of training (`make_train`: `train(key)` is a whole run, `train_chunk` a part of one).
-2. **Sampling at speed**: Atari through worker processes (`Game`, `Workers`, `AtariTrainer`).
+2. **Sampling at speed**: Atari, its games stepped from inside the compiled program by ale-py's
+   vector environment (`AtariEnv`), and the reset step that is no transition.
 3. **Running it for real**: the command line, hardware choices, checkpoints, logging, Ctrl-C, the
    training runs, evaluation, `main()`.
 4. **More than one device**: the agents of `--num-seeds` spread over devices (`jax.sharding`).
@@ -76,7 +80,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import ctypes
 import dataclasses
 import fcntl
 import functools
@@ -84,18 +87,15 @@ import difflib
 import fractions
 import inspect
 import math
-import multiprocessing as mp
 import os
 import signal
 import sys
 import textwrap
 import threading
 import time
-import traceback
 import typing
 from collections import deque
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait as wait_for_any
 from pathlib import Path
 from typing import Any, Callable, Literal, NamedTuple
 
@@ -152,7 +152,7 @@ from tensorboard.summary.writer import event_file_writer
 class Config:
     env: str = "CartPole-v1"
     """Environment: a gymnax id (CartPole-v1, Acrobot-v1, Pendulum-v1, Breakout-MinAtar, ...) or an Atari
-    game (Breakout, ALE/Breakout-v5), which trains through worker processes."""
+    game (Breakout, ALE/Breakout-v5), whose games ale-py's vector environment steps from inside the program."""
     num_seeds: int = 1
     """Agents trained side by side in one compiled program, each from its own seed (gymnax only)."""
     total_timesteps: int = 500_000
@@ -180,7 +180,8 @@ class Config:
     max_grad_norm: float = 0.5
     """Clip the global norm of the gradient to this."""
     target_kl: float | None = None
-    """Stop an update early once the approximate KL divergence to the old policy exceeds this."""
+    """Skip an update's remaining epochs once an epoch's last minibatch has an approximate KL divergence to the old
+    policy above this (CleanRL's rule)."""
     seed: int = 1
     """Seeds everything: the agents' keys are split from it, and each Atari game gets a seed derived from it."""
 
@@ -206,6 +207,27 @@ class Config:
 # resets an environment within the step in which it ended (the returned observation is already
 # the first of the next episode) and hands the last observation of the ended one back in
 # `info["final_observation"]`: we need it to bootstrap a truncated episode.
+#
+# Besides the observation, the reward and the two ways an episode ends, a step reports a
+# `StepInfo`. For gymnax most of it is trivial: every step is a transition of the agent's, and the
+# return we log is the sum of the rewards it learns from. Atari (Part 2) is where it is not: its
+# vector environment spends a step on each reset, which is no transition, and the score we log is
+# the game's real one over a whole game, not the clipped reward of one life.
+
+
+class StepInfo(NamedTuple):
+    """What a step of `num_envs` environments reports besides `(obs, state, rewards, terminated, truncated)`."""
+
+    final_obs: jax.Array
+    """The observation the step led to, before any reset: where an episode was truncated, its last one."""
+    valid: jax.Array
+    """Whether the step is a transition of the agent's (Atari's reset steps are not); only those are learned from."""
+    score: jax.Array
+    """The points the step scored, unclipped: what the logged return (`charts/episodic_return`) adds up."""
+    length: jax.Array
+    """What the step adds to the logged episode's length: 1 step (Atari: its emulator frames)."""
+    episode_over: jax.Array
+    """Whether the logged episode ended (Atari: the whole game, not a life)."""
 
 
 class BatchedEnv:
@@ -217,10 +239,11 @@ class BatchedEnv:
     the agent keeps the unclipped sample, whose log-probability is the one its policy assigned.
     """
 
+    resets_within_step = True
+    """gymnax resets an environment in the step that ends its episode (Atari's vector env, in the next: Part 2)."""
+
     def __init__(self, env_id: str, num_envs: int):
-        # Imported here, not at the top: importing gymnax starts JAX, and an Atari run must start
-        # its worker processes before JAX starts (Part 2).
-        import gymnax
+        import gymnax  # imported here, not at the top: it takes seconds, which an Atari run need not spend
 
         self.env, self.params = gymnax.make(env_id)
         self.num_envs = num_envs
@@ -236,13 +259,22 @@ class BatchedEnv:
         return jax.vmap(self.env.reset, in_axes=(0, None))(keys, self.params)
 
     def step(self, key: jax.Array, state: Any, actions: jax.Array):
-        """`(obs, state, rewards, terminated, truncated, final_obs)`, each with a leading `num_envs` axis."""
+        """`(obs, state, rewards, terminated, truncated, info)`, each with a leading `num_envs` axis; `info` a `StepInfo`."""
         if self.continuous:
             actions = jnp.clip(actions, self.low, self.high)
         keys = jax.random.split(key, self.num_envs)
         obs, state, rewards, terminated, truncated, info = jax.vmap(
             self.env.step, in_axes=(0, 0, 0, None))(keys, state, actions, self.params)
-        return obs, state, rewards, terminated, truncated, info["final_observation"]
+        done = terminated | truncated
+        return obs, state, rewards, terminated, truncated, StepInfo(
+            info["final_observation"], jnp.ones_like(done), rewards, jnp.ones(self.num_envs, jnp.int32), done)
+
+
+def make_env(env_id: str, num_envs: int, config: Config) -> BatchedEnv:
+    """`num_envs` environments of `env_id`: an Atari game (Part 2's `AtariEnv`, with `config`'s protocol) or gymnax's."""
+    if env_id in atari_ids():
+        return AtariEnv(env_id, num_envs, config)
+    return BatchedEnv(env_id, num_envs)
 
 
 # ### The policy, written out
@@ -363,7 +395,10 @@ class MinAtarActorCritic(nn.Module):
 
 
 def make_network(env: BatchedEnv) -> nn.Module:
-    """The actor-critic for `env`: the CNN for grids of channels (MinAtar's), the MLP for vectors."""
+    """The actor-critic for `env`: the DQN paper's CNN for Atari's frames (Part 2), the MinAtar CNN for
+    grids of channels, the MLP for vectors."""
+    if isinstance(env, AtariEnv):
+        return NatureActorCritic(env.action_dim)
     if len(env.obs_shape) == 3:
         return MinAtarActorCritic(env.action_dim)
     return MLPActorCritic(env.action_dim, continuous=env.continuous)
@@ -408,6 +443,10 @@ def compute_gae(rewards: jax.Array, values: jax.Array, next_values: jax.Array, t
     cannot see in its observation (there is no clock in it). That biases the value of every state
     near the limit towards 0, and the advantages of the actions taken there with it; Pardo et al.
     (2018) measure the harm.
+
+    A step that is no transition of the agent's (Atari's reset steps, Part 2) needs nothing here: it
+    always follows the end of an episode, which cuts the sum before it, so no advantage of a real
+    transition reads its TD error. Its own advantage is garbage, and the loss leaves it out.
     """
     not_terminated = 1.0 - terminated.astype(jnp.float32)
     not_done = 1.0 - (terminated | truncated).astype(jnp.float32)
@@ -422,15 +461,24 @@ def compute_gae(rewards: jax.Array, values: jax.Array, next_values: jax.Array, t
     return advantages, advantages + values
 
 
-def normalize_advantages(advantages: jax.Array) -> jax.Array:
+def normalize_advantages(advantages: jax.Array, valid: jax.Array | None = None) -> jax.Array:
     r"""The advantages of a minibatch, shifted and scaled to mean 0 and standard deviation 1:
 
-    $$\hat A_t \leftarrow rac{\hat A_t - \mathrm{mean}(\hat A)}{\mathrm{std}(\hat A) + 10^{-8}}.$$
+    $$\hat A_t \leftarrow \frac{\hat A_t - \mathrm{mean}(\hat A)}{\mathrm{std}(\hat A) + 10^{-8}}.$$
 
     The gradient's scale then no longer depends on the rewards', and about half the actions of a
-    minibatch are pushed up, half down. Per minibatch, as in baselines, CleanRL and PureJaxRL.
+    minibatch are pushed up, half down. Per minibatch, as in baselines, CleanRL and PureJaxRL. The
+    mean and deviation are those of the `valid` transitions (all, if not given).
     """
-    return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    mean = masked_mean(advantages, valid)
+    return (advantages - mean) / (jnp.sqrt(masked_mean((advantages - mean) ** 2, valid)) + 1e-8)
+
+
+def masked_mean(values: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    """The mean of `values` where `valid` (everywhere, if not given); 0 if none is."""
+    if valid is None:
+        return values.mean()
+    return jnp.where(valid, values, 0.0).sum() / jnp.maximum(valid.sum(), 1)
 
 
 # ### The clipped objective
@@ -443,7 +491,7 @@ def normalize_advantages(advantages: jax.Array) -> jax.Array:
 
 def ppo_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.Array, values: jax.Array,
              old_values: jax.Array, returns: jax.Array, entropy: jax.Array, clip_range: float | jax.Array,
-             config: Config) -> dict[str, jax.Array]:
+             config: Config, valid: jax.Array | None = None) -> dict[str, jax.Array]:
     r"""PPO's loss on a minibatch (advantages already normalised): its terms by name, the total under `loss`.
 
     The policy term is the negated clipped surrogate of Schulman et al. (2017, eq. 7):
@@ -472,21 +520,25 @@ def ppo_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.Arr
     The terms come back by name: the update averages each over its minibatch steps and the command
     line logs each but the total as `losses/<name>`. A new term (a KL penalty, say) is one more entry
     here, its coefficient one more field of `Config`, and nothing else changes.
+
+    $\mathbb{E}_t$ is the mean over the minibatch's transitions: where `valid` is given, over those
+    it marks, so that a step which is no transition of the agent's (Atari's resets) weighs nothing.
     """
+    mean = functools.partial(masked_mean, valid=valid)
     log_ratio = log_probs - old_log_probs
     ratio = jnp.exp(log_ratio)
     # Clip the ratio so one update cannot move the policy far: $\mathrm{clip}(r_t, 1-\epsilon, 1+\epsilon)$.
     clipped_ratio = jnp.clip(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    policy_loss = jnp.maximum(-advantages * ratio, -advantages * clipped_ratio).mean()
+    policy_loss = mean(jnp.maximum(-advantages * ratio, -advantages * clipped_ratio))
 
     clipped_values = old_values + jnp.clip(values - old_values, -clip_range, clip_range)
-    value_loss = 0.5 * jnp.maximum((values - returns) ** 2, (clipped_values - returns) ** 2).mean()
+    value_loss = 0.5 * mean(jnp.maximum((values - returns) ** 2, (clipped_values - returns) ** 2))
 
-    entropy = entropy.mean()
+    entropy = mean(entropy)
     loss = policy_loss + config.vf_coef * value_loss - config.ent_coef * entropy
     ratio, log_ratio = jax.lax.stop_gradient((ratio, log_ratio))
-    approx_kl = ((ratio - 1.0) - log_ratio).mean()
-    clipfrac = (jnp.abs(ratio - 1.0) > clip_range).astype(jnp.float32).mean()
+    approx_kl = mean((ratio - 1.0) - log_ratio)
+    clipfrac = mean((jnp.abs(ratio - 1.0) > clip_range).astype(jnp.float32))
     return dict(loss=loss, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy, approx_kl=approx_kl,
                 clipfrac=clipfrac)
 
@@ -496,21 +548,24 @@ def linear_schedule(initial: float, update: int | jax.Array, num_updates: int) -
     return initial * (1.0 - update / num_updates)
 
 
-def explained_variance(predictions: jax.Array, targets: jax.Array) -> jax.Array:
-    r"""$1 - \mathrm{Var}[y - \hat y] / \mathrm{Var}[y]$: 1 for a perfect value function, 0 for a constant one."""
-    variance = targets.var()
-    return jnp.where(variance == 0, jnp.nan, 1.0 - (targets - predictions).var() / variance)
+def explained_variance(predictions: jax.Array, targets: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    r"""$1 - \mathrm{Var}[y - \hat y] / \mathrm{Var}[y]$: 1 for a perfect value function, 0 for a constant one
+    (over the `valid` transitions, if given)."""
+    def variance(x: jax.Array) -> jax.Array:
+        return masked_mean((x - masked_mean(x, valid)) ** 2, valid)
+
+    return jnp.where(variance(targets) == 0, jnp.nan, 1.0 - variance(targets - predictions) / variance(targets))
 
 
 # ### The update
 #
-# Both paths of this page, the compiled run on gymnax and the Atari trainer, end every rollout in
-# the same function: `update_agent` turns a rollout into advantages and runs `update_epochs` passes
-# of shuffled minibatches over it. In PyTorch these are two `for` loops; here they are two nested
-# scans, the outer over epochs (each with its own shuffle), the inner over minibatches. A scan has no
-# `break`, so the two ways an update can end early, a KL divergence past `--target-kl` and a step
-# that has diverged (`diverged`, below), become flags in the carry that turn the remaining steps
-# into no-ops.
+# Every rollout, on gymnax or on Atari, ends in the same function: `update_agent` turns a rollout
+# into advantages and runs `update_epochs` passes of shuffled minibatches over it. In PyTorch these
+# are two `for` loops; here they are two nested scans, the outer over epochs (each with its own
+# shuffle), the inner over minibatches. A scan has no
+# `break`, so the two ways an update can end early, a KL divergence past `--target-kl` (checked
+# after each epoch, as CleanRL checks it) and a step that has diverged (`diverged`, below), become
+# flags in the carry that turn the remaining steps into no-ops.
 
 
 class Agent(NamedTuple):
@@ -531,6 +586,8 @@ class Rollout(NamedTuple):
     rewards: jax.Array
     terminated: jax.Array
     truncated: jax.Array
+    valid: jax.Array | None = None
+    """Which steps are transitions of the agent's (`StepInfo.valid`); none given: all of them."""
 
 
 class Batch(NamedTuple):
@@ -542,6 +599,7 @@ class Batch(NamedTuple):
     values: jax.Array
     advantages: jax.Array
     returns: jax.Array
+    valid: jax.Array
 
 
 def make_optimizer(config: Config) -> optax.GradientTransformation:
@@ -587,23 +645,23 @@ def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformatio
     def loss_fn(params: Any, minibatch: Batch, clip_range: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         policy, values = network.apply(params, minibatch.obs)
         terms = ppo_loss(policy.log_prob(minibatch.actions), minibatch.log_probs,
-                         normalize_advantages(minibatch.advantages), values, minibatch.values, minibatch.returns,
-                         policy.entropy(), clip_range, config)
+                         normalize_advantages(minibatch.advantages, minibatch.valid), values, minibatch.values,
+                         minibatch.returns, policy.entropy(), clip_range, config, minibatch.valid)
         return terms["loss"], terms
 
     def update_agent(agent: Agent, rollout: Rollout, key: jax.Array, learning_rate: jax.Array,
                      clip_range: jax.Array) -> tuple[Agent, dict]:
         advantages, returns = compute_gae(rollout.rewards, rollout.values, rollout.next_values, rollout.terminated,
                                           rollout.truncated, config.gamma, config.gae_lambda)
+        valid = jnp.ones_like(rollout.terminated) if rollout.valid is None else rollout.valid
         batch = jax.tree.map(lambda x: x.reshape(config.batch_size, *x.shape[2:]),
-                             Batch(rollout.obs, rollout.actions, rollout.log_probs, rollout.values, advantages, returns))
+                             Batch(rollout.obs, rollout.actions, rollout.log_probs, rollout.values, advantages, returns,
+                                   valid))
 
         def minibatch_step(carry: tuple, indices: jax.Array) -> tuple[tuple, tuple]:
             agent, stopped, broken = carry
             minibatch = jax.tree.map(lambda x: x[indices], batch)
             (loss, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(agent.params, minibatch, clip_range)
-            if config.target_kl is not None:
-                stopped = stopped | (terms["approx_kl"] > config.target_kl)
             direction, opt_state = optimizer.update(grads, agent.opt_state)
             # Adam's step: $\theta \leftarrow \theta - \alpha_k \cdot \mathrm{direction}$, with this update's rate $\alpha_k$.
             step = jax.tree.map(lambda d: -learning_rate * d, direction)
@@ -616,7 +674,13 @@ def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformatio
 
         def epoch(carry: tuple, key: jax.Array) -> tuple[tuple, tuple]:
             order = jax.random.permutation(key, config.batch_size)
-            return jax.lax.scan(minibatch_step, carry, order.reshape(config.num_minibatches, config.minibatch_size))
+            (agent, stopped, broken), (terms, take, step_rms) = jax.lax.scan(
+                minibatch_step, carry, order.reshape(config.num_minibatches, config.minibatch_size))
+            if config.target_kl is not None:
+                # `--target-kl` ends the update after a whole epoch whose last minibatch strayed too
+                # far from the old policy, as CleanRL's `break` does: the epochs left do nothing.
+                stopped = stopped | (take[-1] & (terms["approx_kl"][-1] > config.target_kl))
+            return (agent, stopped, broken), (terms, take, step_rms)
 
         carry = (agent, jnp.array(False), jnp.array(False))
         (agent, stopped, broken), (terms, taken, step_rms) = jax.lax.scan(epoch, carry,
@@ -625,7 +689,7 @@ def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformatio
         count = taken.sum()
         losses = {name: jnp.where(count > 0, jnp.where(taken, value, 0.0).sum() / count, jnp.nan)
                   for name, value in terms.items() if name != "loss"}
-        losses["explained_variance"] = explained_variance(batch.values, batch.returns)
+        losses["explained_variance"] = explained_variance(batch.values, batch.returns, batch.valid)
         return agent, dict(losses=losses, learning_rate=learning_rate, clip_range=clip_range, stopped_early=stopped,
                            diverged=broken, largest_step=step_rms.max())
 
@@ -683,7 +747,7 @@ def make_train(config: Config, env_id: str | None = None) -> Training:
     axis; `jax.jit(jax.vmap(train))(jax.random.split(key, n))` trains `n` agents, one per key, in one
     compiled program. `train_chunk(runner, count, length)` is a part of it, `count` updates.
     """
-    env = BatchedEnv(env_id or config.env, config.num_envs)
+    env = make_env(env_id or config.env, config.num_envs, config)
     network = make_network(env)
     optimizer = make_optimizer(config)
     update_agent = make_update_agent(network, optimizer, config)
@@ -706,27 +770,32 @@ def make_train(config: Config, env_id: str | None = None) -> Training:
         params = runner.agent.params
         policy, values = network.apply(params, runner.obs)
         actions = policy.sample(action_key)
-        obs, env_state, rewards, terminated, truncated, final_obs = env.step(env_key, runner.env_state, actions)
+        obs, env_state, rewards, terminated, truncated, info = env.step(env_key, runner.env_state, actions)
         # $V(s_{t+1})$ of the observation the step led to. Where nothing ended, `final_obs` is `obs`
         # and this is the value the next step computes again; where an episode ended, it is the
         # value of its last observation, which the reset has replaced in `obs`. (XLA drops the
         # policy head of this second pass, whose result is unused; the MLP's policy tower goes with
-        # it, while the MinAtar CNN's torso, shared by both heads, runs twice.)
-        _, next_values = network.apply(params, final_obs)
-        done = terminated | truncated
-        episode_returns = runner.episode_returns + rewards
-        episode_lengths = runner.episode_lengths + 1
+        # it, while the MinAtar CNN's torso, shared by both heads, runs twice.) An environment that
+        # resets in the next step, as Atari's does, needs no second pass: `collect` takes the next
+        # step's value instead.
+        next_values = network.apply(params, info.final_obs)[1] if env.resets_within_step else values
+        episode_returns = runner.episode_returns + info.score
+        episode_lengths = runner.episode_lengths + info.length
         step = Rollout(runner.obs, actions, policy.log_prob(actions), values, next_values, rewards, terminated,
-                       truncated)
-        episodes = (done, episode_returns, episode_lengths)
+                       truncated, info.valid)
+        episodes = (info.episode_over, episode_returns, episode_lengths)
         runner = runner._replace(env_state=env_state, obs=obs, key=key,
-                                 episode_returns=jnp.where(done, 0.0, episode_returns),
-                                 episode_lengths=jnp.where(done, 0, episode_lengths))
+                                 episode_returns=jnp.where(info.episode_over, 0.0, episode_returns),
+                                 episode_lengths=jnp.where(info.episode_over, 0, episode_lengths))
         return runner, (step, episodes)
 
     def collect(runner: Runner) -> tuple[Runner, Rollout, tuple]:
         """`num_steps` steps of every environment: the rollout, and `(ended, returns, lengths)` of its episodes."""
         runner, (rollout, episodes) = jax.lax.scan(env_step, runner, length=config.num_steps)
+        if not env.resets_within_step:
+            # Each step led to the observation the next step starts from; the last, to the one after the rollout.
+            last_values = network.apply(runner.agent.params, runner.obs)[1]
+            rollout = rollout._replace(next_values=jnp.concatenate([rollout.values[1:], last_values[None]]))
         return runner, rollout, episodes
 
     def update(runner: Runner) -> tuple[Runner, dict]:
@@ -774,24 +843,28 @@ def make_train(config: Config, env_id: str | None = None) -> Training:
 #
 # The gymnax environments of Part 1 need nothing here: they are JAX functions, compiled into the
 # training program with the rest, and `vmap` steps as many of them as the batch asks for. Atari's
-# emulator is C++ and cannot be traced. For `--env Breakout` the games are played in worker
-# processes, several games each, as `ppo_atari.py` plays them, and the rollout is a Python loop
-# around a compiled step of the policy; the update is Part 1's `update_agent`, compiled on its own.
-# Measured on this project's 2-core CPU at the same settings, alternately in one session, this path
-# ran Breakout at 294 steps a second against 677 for `ppo_atari.py` (bfloat16): the games and the
-# inference cost the same, and the difference is all in the update, which XLA's CPU backend runs
-# slower than PyTorch's oneDNN kernels (2.6 s against 0.6 s an iteration).
-# The Atari preset is `ppo_atari.py`'s defaults, so that the two pages can be compared line by line.
-# This path is to be replaced by ale-py's vector environment stepped from inside the compiled
-# program (its XLA interface), as gymnax's are; until then it is kept as it is, working and tested.
+# emulator is C++ and cannot be traced; but a compiled program can call C++, through XLA's foreign
+# function interface, and ale-py's vector environment offers exactly that (`AtariVectorEnv.xla()`,
+# the design of CleanRL's fastest Atari script, which uses envpool's). Its games run in a pool of
+# C++ threads; its `step` is an XLA custom call that hands them the actions and waits for the
+# frames, and it sits in the rollout's `lax.scan` like gymnax's step. The whole iteration of PPO
+# on Atari, rollout, advantages and update, is then one compiled program, as it is on CartPole, and
+# the command line runs it a chunk of updates at a time with the same code (Part 3).
 #
-# ### Atari: the game
+# This page once played Atari as `ppo_atari.py` does, in worker processes driven over pipes with
+# shared memory, with copies of its `Game` and `Workers`; they are gone from here. Worker processes
+# are taught on [`ppo_atari.py`'s page](ppo_atari.py), where PyTorch's eager loop needs them; in a
+# compiled program the vector environment's threads do that work, and what `Game` did by hand, the
+# frame skip, the max-pool, the grey 84 x 84 frames, the no-op starts and the lives, is set on the
+# vector environment below, explicitly, and checked by tests against `ppo_atari.py`'s `Game`.
 #
-# The emulator shows 210 x 160 colour frames at 60 per second and knows nothing of learning. `Game`
-# turns it into what the DQN paper (Mnih et al., 2015) fed its network: an action every 4th frame,
-# the last 4 observations stacked, each grey and shrunk to 84 x 84, rewards clipped to their sign.
-# It is `ppo_atari.py`'s wrapper, and the tests check that the two produce the same frames. Its
-# settings, the protocol of the Atari experiments, extend `Config`.
+# ### Atari: the protocol
+#
+# The emulator shows 210 x 160 colour frames at 60 per second and knows nothing of learning. What
+# the DQN paper (Mnih et al., 2015) fed its network, and what baselines' and CleanRL's wrappers
+# (whose scores are the published ones) feed it still: an action every 4th frame, the last 4
+# observations stacked, each grey and shrunk to 84 x 84, rewards clipped to their sign. The settings
+# of that protocol extend `Config`.
 
 
 @dataclass
@@ -799,9 +872,9 @@ class AtariConfig(Config):
     sticky_actions: float = 0.0
     """Atari: probability that the emulator repeats the previous action on a frame (0.25: Machado et al.)."""
     life_loss: bool = True
-    """Atari: end the learning episode when a life is lost (the game goes on)."""
+    """Atari: end the learning episode when a life is lost (the game goes on, and FIRE serves the next life)."""
     noop_max: int = 30
-    """Atari: up to this many no-op frames at the start of each game, a random number of them."""
+    """Atari: up to this many no-op frames at the start of each game, a random number of them (0 to this)."""
     frame_skip: int = 4
     """Atari: frames each action is repeated for."""
     max_episode_frames: int = 108_000
@@ -813,371 +886,139 @@ def game_name(env_id: str) -> str:
     return gym.spec(env_id).kwargs["game"]
 
 
-def game_seeds(seed: int, count: int) -> np.ndarray:
-    """`count` distinct, independent seeds for the games of a run seeded with `seed`."""
-    return np.random.SeedSequence(seed).generate_state(count)
-
-
-class Transition(NamedTuple):
-    """What one agent step of a `Game` reports besides the new observation."""
-
-    reward: float
-    """The reward for learning: the sign of the points scored in the step."""
-    terminated: bool
-    """The learning episode ended with no future: game over, or a life lost when life loss is on."""
-    truncated: bool
-    """The game was cut at the frame cap: its future exists but we stop watching; bootstrap it."""
-    game_over: bool
-    """The whole game ended (by either cause): it must be reset before the next step."""
-    score: float
-    """The game's real, unclipped score so far."""
-    length: int
-    """Emulator frames of this game so far, no-op and FIRE frames included (as CleanRL counts them)."""
-
-
-class Game:
-    r"""One Atari game as the learner sees it.
-
-    * **No-op starts.** After a reset, 1 to `noop_max` frames pass with no action, so that games of
-      a deterministic emulator differ from the start.
-    * **FIRE to start.** Games whose second action is FIRE wait for it after a reset and, with life
-      loss on, after each lost life; the wrapper presses it, sparing the agent thousands of steps
-      learning to serve.
-    * **Frame skip and max-pool.** An action is repeated for `frame_skip` frames, the rewards summed;
-      the observation is the pixel-wise maximum of the last two frames, since the Atari draws some
-      sprites only on every other frame.
-    * **Grey, small, stacked.** The pooled frame, in the ALE's own luminance, is shrunk to 84 x 84
-      with area averaging and stacked with the three before it, newest last, as `uint8`.
-    * **Reward clipping.** Learning sees $\mathrm{sign}(r)$; the real score is kept apart and reported.
-    * **Life loss.** A lost life ends the episode *for learning* (the advantage stops there); the
-      game goes on with the next life, and its score runs on. A life is lost only if some are left
-      (baselines' `lives > 0` guard).
-    * **Two ends.** Game over is a *termination*, no future to value; the frame cap is a
-      *truncation*, a future we stopped watching. They are reported apart.
-
-    `obs` is the current stack of frames, updated in place; a worker passes a view of shared memory
-    as `obs`, so the frames land where the main process reads them.
-    """
-
-    def __init__(self, env_id: str, seed: int, *, sticky_actions: float = 0.0, life_loss: bool = True,
-                 noop_max: int = 30, frame_skip: int = 4, max_episode_frames: int = 108_000,
-                 obs: np.ndarray | None = None):
-        gym.register_envs(ale_py)
-        ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner from every emulator
-        # One frame per `act` (`frameskip=1`): the skipping is ours. The ALE cuts the game at the
-        # frame cap and reports it through `game_truncated()`, apart from a game over.
-        env = gym.make(env_id, frameskip=1, repeat_action_probability=sticky_actions,
-                       full_action_space=False, max_num_frames_per_episode=max_episode_frames)
-        self.env = env.unwrapped
-        self.env.reset(seed=int(seed))
-        self.ale = self.env.ale
-        self.actions = self.ale.getMinimalActionSet()
-        self.n_actions = len(self.actions)
-        meanings = self.env.get_action_meanings()
-        self.fire = self.actions[1] if len(meanings) >= 3 and meanings[1] == "FIRE" else None
-        self.life_loss = life_loss
-        self.noop_max = noop_max
-        self.frame_skip = frame_skip
-        self.rng = np.random.default_rng(int(seed))
-        height, width = self.ale.getScreenDims()
-        self.screens = np.zeros((2, height, width), np.uint8)
-        self.pooled = np.zeros((height, width), np.uint8)
-        self.obs = np.zeros((4, 84, 84), np.uint8) if obs is None else obs
-        self.score = 0.0
-        self.length = 0
-        self.lives = 0
-
-    def reset(self) -> np.ndarray:
-        """Start a new game: no-ops, FIRE if the game needs it, and a stack of the first frame."""
-        self.ale.reset_game()
-        for _ in range(self.rng.integers(1, self.noop_max + 1) if self.noop_max > 0 else 0):
-            self.ale.act(ale_py.Action.NOOP)
-            if self.ale.game_over():
-                self.ale.reset_game()
-        self.score = 0.0
-        if self.fire is not None:
-            self.score += self._play(self.fire)
-            if self.ale.game_over():
-                return self.reset()
-        else:
-            self.ale.getScreenGrayscale(self.screens[0])
-            self.screens[1] = self.screens[0]
-        self.lives = self.ale.lives()
-        self.length = self.ale.getEpisodeFrameNumber()
-        self._observe(new_game=True)
-        return self.obs
-
-    def step(self, action: int) -> Transition:
-        """Play `action` (an index into the minimal action set) for `frame_skip` frames."""
-        points = self._play(self.actions[action])
-        self.score += points
-        lives = self.ale.lives()
-        life_lost = 0 < lives < self.lives and not self.ale.game_over()
-        self.lives = lives
-        # Serve again after a lost life that ends the learning episode. Those frames belong to the
-        # next life: their points count for the score, not as this step's reward.
-        if life_lost and self.life_loss and self.fire is not None:
-            self.score += self._play(self.fire)
-        self.length = self.ale.getEpisodeFrameNumber()
-        game_over = self.ale.game_over(with_truncation=False)
-        truncated = self.ale.game_truncated()
-        self._observe(new_game=False)
-        return Transition(reward=float((points > 0) - (points < 0)),
-                          terminated=game_over or (self.life_loss and life_lost),
-                          truncated=truncated,
-                          game_over=game_over or truncated,
-                          score=self.score, length=self.length)
-
-    def render(self) -> np.ndarray:
-        """The current frame in colour, 210 x 160 x 3 RGB, for videos."""
-        return self.ale.getScreenRGB()
-
-    def _play(self, action: ale_py.Action) -> float:
-        """Repeat `action` for `frame_skip` frames; leave the last two frames in `screens`."""
-        points = 0.0
-        for frame in range(self.frame_skip):
-            points += self.ale.act(action)
-            if frame >= self.frame_skip - 2:
-                self.ale.getScreenGrayscale(self.screens[frame - self.frame_skip + 2])
-            if self.ale.game_over():
-                # Ended before the last frame: the final frame stands in for the screens not grabbed.
-                if frame < self.frame_skip - 1:
-                    self.ale.getScreenGrayscale(self.screens[1])
-                if frame < self.frame_skip - 2:
-                    self.screens[0] = self.screens[1]
-                break
-        return points
-
-    def _observe(self, new_game: bool) -> None:
-        """Pool the last two screens, shrink the result into the newest slot of the stack."""
-        np.maximum(self.screens[0], self.screens[1], out=self.pooled)
-        if not new_game:
-            self.obs[:-1] = self.obs[1:]
-        cv2.resize(self.pooled, (84, 84), dst=self.obs[-1], interpolation=cv2.INTER_AREA)
-        if new_game:
-            # A new game has no past: its first frame fills the whole stack.
-            self.obs[:-1] = self.obs[-1]
-
-
-# ### Atari: the workers
+# ### Atari: the vector environment
 #
-# `Workers` runs the games in other processes, several per process, driven over `Pipe`s with a
-# one-word command and a one-word answer; observations, rewards and episode ends travel through
-# shared memory (a batch of 8 frame stacks is 225 kB, too much to pickle at every step). A game that
-# ends is reset in the same step, and the last observation of a truncated game is kept apart in
-# `final_obs`. A worker's exception comes back with its traceback as a `WorkerError`; a dead worker
-# is noticed at once; workers ignore Ctrl-C (the main process's to handle) and exit if the main
-# process dies. One thing is new on this page: the workers must be started by `fork` *before* JAX
-# starts its backend's threads (at its first computation, or on importing gymnax), since a fork
-# copies no threads, and any lock one of them held stays locked in the child.
-
-
-class WorkerError(RuntimeError):
-    """A worker process failed: the message carries its traceback, or how it died."""
-
-
-class VecStep(NamedTuple):
-    """One step of all games at once. Arrays are views of shared memory, valid until the next step."""
-
-    obs: np.ndarray
-    """`[num_envs, 4, 84, 84]` uint8: the observation after the step (the first of a new game where one ended)."""
-    rewards: np.ndarray
-    """`[num_envs]` float32: clipped rewards."""
-    terminated: np.ndarray
-    """`[num_envs]` bool."""
-    truncated: np.ndarray
-    """`[num_envs]` bool."""
-    final_obs: np.ndarray
-    """`[num_envs, 4, 84, 84]` uint8: the last observation of each game that was truncated in this step."""
-    finished_games: list[tuple[int, float, int]]
-    """`(env index, score, length)` of each whole game that ended in this step."""
-
-
-def shared_arrays(context, num_envs: int) -> dict[str, tuple]:
-    """The blocks of shared memory behind `VecStep`, one row per game, as `(block, shape, dtype)`."""
-    frames = (num_envs, 4, 84, 84)
-    layout = {"obs": (frames, np.uint8), "final_obs": (frames, np.uint8), "actions": ((num_envs,), np.int64),
-              "rewards": ((num_envs,), np.float32), "terminated": ((num_envs,), np.bool_),
-              "truncated": ((num_envs,), np.bool_), "game_over": ((num_envs,), np.bool_),
-              "score": ((num_envs,), np.float64), "length": ((num_envs,), np.int64)}
-    return {name: (context.RawArray(ctypes.c_uint8, math.prod(shape) * np.dtype(dtype).itemsize), shape, dtype)
-            for name, (shape, dtype) in layout.items()}
-
-
-def numpy_views(blocks: dict[str, tuple]) -> dict[str, np.ndarray]:
-    return {name: np.frombuffer(block, dtype=dtype, count=math.prod(shape)).reshape(shape)
-            for name, (block, shape, dtype) in blocks.items()}
-
-
-def run_worker(connection: Connection, env_id: str, seeds: np.ndarray, first_env: int, blocks: dict[str, tuple],
-               game_options: dict) -> None:
-    """The loop of one worker process: it plays games `first_env, first_env + 1, ...`.
-
-    It answers each command (`reset`, `step`, `close`) with `ok` once its games' rows of the shared
-    arrays are written, or with `error` and its traceback.
-    """
-    # Signals are the main process's to handle (Part 3), and a forked worker would inherit its way of
-    # watching for them: Ctrl-C is ignored here, and SIGTERM stops a worker as it stops any process.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.set_wakeup_fd(-1)
-    cv2.setNumThreads(1)
-    parent = mp.parent_process()
-    try:
-        rows = slice(first_env, first_env + len(seeds))
-        arrays = {name: array[rows] for name, array in numpy_views(blocks).items()}
-        games = [Game(env_id, seed, obs=arrays["obs"][i], **game_options) for i, seed in enumerate(seeds)]
-        connection.send_bytes(b"ok %d" % games[0].n_actions)
-        while True:
-            ready = wait_for_any([connection] + ([parent.sentinel] if parent is not None else []))
-            if connection not in ready:
-                return  # the main process is gone: leave no orphan behind
-            command = connection.recv_bytes()
-            if command == b"close":
-                return
-            for i, game in enumerate(games):
-                if command == b"reset":
-                    game.reset()
-                    continue
-                step = game.step(int(arrays["actions"][i]))
-                arrays["rewards"][i] = step.reward
-                arrays["terminated"][i] = step.terminated
-                arrays["truncated"][i] = step.truncated
-                arrays["game_over"][i] = step.game_over
-                if step.game_over:
-                    arrays["score"][i], arrays["length"][i] = step.score, step.length
-                    if step.truncated:
-                        arrays["final_obs"][i] = game.obs
-                    game.reset()
-            connection.send_bytes(b"ok")
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        return
-    except BaseException:
-        try:
-            connection.send_bytes(b"error " + traceback.format_exc().encode())
-        except (OSError, ValueError):
-            pass
-
-
-class Workers:
-    """`num_envs` games played by `num_workers` processes: the vector environment of the Atari trainer.
-
-    `reset()` starts every game and returns the observations; `step(actions)` plays one step of
-    every game and returns a `VecStep`. Use it as a context manager, or call `close()`.
-    """
-
-    def __init__(self, env_id: str, num_envs: int, num_workers: int, seed: int, game_options: dict,
-                 start_method: str | None = None):
-        context = mp.get_context(start_method)
-        self.num_envs = num_envs
-        blocks = shared_arrays(context, num_envs)
-        self.arrays = numpy_views(blocks)
-        self.processes: list[mp.process.BaseProcess] = []
-        self.connections: list[Connection] = []
-        seeds = game_seeds(seed, num_envs)
-        # Started with Ctrl-C ignored, so that a Ctrl-C while they start cannot reach them before
-        # they ignore it themselves; the setting survives both fork and exec.
-        in_main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
-        try:
-            for index, envs in enumerate(np.array_split(np.arange(num_envs), num_workers)):
-                ours, theirs = context.Pipe()
-                process = context.Process(target=run_worker, name=f"ppo_jax-worker-{index}", daemon=True,
-                                          args=(theirs, env_id, seeds[envs], int(envs[0]), blocks, game_options))
-                process.start()
-                theirs.close()
-                self.processes.append(process)
-                self.connections.append(ours)
-        finally:
-            if in_main_thread:
-                signal.signal(signal.SIGINT, previous)
-        try:
-            self.n_actions = int(self._receive()[0])
-        except BaseException:
-            self.close()
-            raise
-
-    def reset(self) -> np.ndarray:
-        self._send(b"reset")
-        self._receive()
-        return self.arrays["obs"]
-
-    def step(self, actions: np.ndarray) -> VecStep:
-        a = self.arrays
-        a["actions"][:] = actions
-        self._send(b"step")
-        self._receive()
-        finished = [(int(env), float(a["score"][env]), int(a["length"][env])) for env in np.flatnonzero(a["game_over"])]
-        return VecStep(a["obs"], a["rewards"], a["terminated"], a["truncated"], a["final_obs"], finished)
-
-    def _send(self, command: bytes) -> None:
-        for index, connection in enumerate(self.connections):
-            try:
-                connection.send_bytes(command)
-            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
-                raise self._death(index) from None
-
-    def _receive(self) -> list[bytes]:
-        """Wait for every worker's answer; what follows `ok` in each."""
-        answers = []
-        for index, connection in enumerate(self.connections):
-            try:
-                answer = connection.recv_bytes()
-            except (EOFError, ConnectionResetError, OSError):
-                raise self._death(index) from None
-            if answer.startswith(b"error"):
-                raise WorkerError(f"worker {index} failed; its traceback:\n{answer[6:].decode().rstrip()}")
-            answers.append(answer[3:])
-        return answers
-
-    def _death(self, index: int) -> WorkerError:
-        process = self.processes[index]
-        process.join(timeout=5)
-        code = process.exitcode
-        if code is not None and code < 0:
-            how = f"killed by signal {signal.Signals(-code).name}"
-        else:
-            how = f"exit code {code}"
-        return WorkerError(f"worker {index} (pid {process.pid}) died unexpectedly ({how})")
-
-    def close(self) -> None:
-        """Stop every worker; those that do not stop in time are terminated, then killed."""
-        for connection in self.connections:
-            try:
-                connection.send_bytes(b"close")
-            except (OSError, ValueError):
-                pass
-        for process in self.processes:
-            process.join(timeout=3)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=3)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        for connection in self.connections:
-            connection.close()
-        self.processes, self.connections = [], []
-
-    def __enter__(self) -> Workers:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-
-# ### Atari: the same update, fed by workers
+# `AtariEnv` puts ale-py's `AtariVectorEnv` behind Part 1's interface, `reset(key)` and
+# `step(key, state, actions)`, so that `make_train` runs Atari as it runs gymnax. Most of the
+# protocol is the vector environment's own, set here explicitly rather than left to its defaults:
+# frame skip 4, the max of the last two frames, grey frames (the ALE's own luminance) shrunk to
+# 84 x 84 by area averaging (`cv2.INTER_AREA`, as `Game` does), no sticky actions, the frame cap
+# counted apart from the game's end and reported as `truncated`, rewards unclipped (we clip them,
+# and keep the real score). A lost life comes back as `terminated` (`life_loss_info`) while the game
+# goes on, counted only if lives remain after it (baselines' `EpisodicLifeEnv` has the same guard).
 #
-# The emulator runs outside JAX, so the rollout is a Python loop as in `ppo_atari.py`: at each step
-# a jitted `act` picks the actions of all games from their frames, and the workers play them. The
-# rollout is kept in numpy arrays on the host and handed whole to the jitted `update_agent`, the
-# very function the compiled run uses. The network is the DQN paper's.
+# Three things we do ourselves, where the library differs from the protocol of the published
+# scores (baselines' and CleanRL's wrappers) and from `ppo_atari.py`'s `Game`; a test checks that,
+# with no no-ops, the frames the agent sees are `Game`'s, to the pixel, until the first lost life:
+#
+# * **FIRE.** Breakout, and other games whose second action is FIRE, wait for it after a reset and
+#   after a lost life. The library presses it for one frame at a reset only, *before* its no-ops,
+#   and never after a lost life: the agent would have to learn to serve. We turn that off and
+#   press FIRE ourselves, for a whole step (4 frames), after the no-ops of every new game and,
+#   when a lost life ends the learning episode, after each lost life, as `Game` does (it serves
+#   within the step that lost the life; here the serve is a step of its own, and the frame after
+#   it is `Game`'s, to the pixel).
+# * **No-ops.** The library draws 0 to `noop_max - 1` no-op frames; we ask it for `noop_max + 1`,
+#   so that a game starts after 0 to `noop_max` of them (baselines: 1 to 30).
+# * **The stack.** The library's stack starts a game with three black frames. We take its newest
+#   frame only (`stack_num=1`) and stack ourselves, starting each learning episode with its first
+#   frame four times, as baselines' `FrameStack` does at every reset.
+#
+# **The reset step.** The vector environment resets a game on the step *after* the one that ended
+# it (gymnasium's "next step" autoreset): that step returns `terminated` or `truncated` with the
+# game's true last observation (which a truncated episode bootstraps from), and on the next call
+# the action is ignored, and the first observation of the next game comes back, with a reward of 0.
+# That call is no transition of the agent's: no action of its led from the last observation of
+# one game to the first of another. Learning from it would credit a random action with a game's
+# restart, as implementations that feed such a step to their loss as an ordinary one do. Our FIRE
+# steps are of the same kind: played by the wrapper, not chosen by the agent. Such steps are marked
+# `valid = False` in `StepInfo`; the loss leaves them out (Part 1), and the advantages need no
+# change, since such a step always follows an episode's end. They cost a little: a game of Breakout
+# spends two steps on its reset and its first serve, and one on each of the four serves after a
+# lost life: about 5% of the steps of a random agent's games, and far less of a good agent's, which
+# last thousands of steps.
+
+PLAY, RESET, FIRE = 0, 1, 2
+"""What a game's next step is: the agent's action, the vector env's reset (any action is ignored), or FIRE."""
+
+
+class AtariState(NamedTuple):
+    """The state of the games, as far as it lives in JAX; the rest is in the vector env's C++ threads."""
+
+    handle: jax.Array
+    """`uint8[8]`: the vector env's address, passed from call to call so that XLA keeps them in order."""
+    frames: jax.Array
+    """`[num_envs, 4, 84, 84]` uint8: each game's last four frames, oldest first: the observation."""
+    lives: jax.Array
+    """`[num_envs]`: each game's lives after the last step."""
+    next_step: jax.Array
+    """`[num_envs]`: `PLAY`, `RESET` or `FIRE`."""
+    frame: jax.Array
+    """`[num_envs]`: frames each game has run, no-ops and FIRE included (its length, as CleanRL counts it)."""
+    start_frame: jax.Array
+    """`[num_envs]`: `frame` when the game began, after its no-ops: the frame cap counts from there."""
+
+
+class AtariEnv:
+    """`num_envs` Atari games in ale-py's C++ vector environment, stepped from inside a compiled program."""
+
+    continuous = False
+    resets_within_step = False
+
+    def __init__(self, env_id: str, num_envs: int, config: AtariConfig):
+        from ale_py.vector_env import AtariVectorEnv
+
+        self.num_envs, self.life_loss, self.max_frames = num_envs, config.life_loss, config.max_episode_frames
+        self.settings = dict(frameskip=config.frame_skip, repeat_action_probability=config.sticky_actions,
+                             noop_max=config.noop_max + 1, use_fire_reset=False, episodic_life=False,
+                             life_loss_info=config.life_loss, reward_clipping=False,
+                             max_num_frames_per_episode=config.max_episode_frames, full_action_space=False)
+        self.game = game_name(env_id)
+        # The agent sees a stack of 4 grey frames of 84 x 84; the vector env gives the newest only.
+        self.obs_shape = (4, 84, 84)
+        self.vector_env = AtariVectorEnv(self.game, num_envs, stack_num=1, grayscale=True,
+                                         img_height=self.obs_shape[1], img_width=self.obs_shape[2], maxpool=True,
+                                         **self.settings)
+        self.handle, self.xla_reset, self.xla_step = self.vector_env.xla()
+        actions = self.vector_env.ale.get_action_set()
+        self.action_dim = len(actions)
+        self.fire = len(actions) >= 3 and actions[1] == ale_py.Action.FIRE
+
+    def seeds(self, key: jax.Array) -> jax.Array:
+        """A seed for each game, from `key`: the games of a run are a function of its key."""
+        return jax.random.randint(key, (self.num_envs,), 0, 2**31 - 1)
+
+    def reset(self, key: jax.Array) -> tuple[jax.Array, AtariState]:
+        handle, (frame, info) = self.xla_reset(self.handle, self.seeds(key))
+        frames = jnp.repeat(frame, self.obs_shape[0], axis=1)
+        first = jnp.full(self.num_envs, FIRE if self.fire else PLAY, jnp.int32)
+        state = AtariState(handle, frames, info["lives"], first, info["episode_frame_number"],
+                           info["episode_frame_number"])
+        return frames, state
+
+    def actions_played(self, state: AtariState, actions: jax.Array) -> jax.Array:
+        """The agent's actions, but FIRE (index 1) where the wrapper serves; at a reset, the action is ignored."""
+        return jnp.where(state.next_step == FIRE, 1, actions).astype(jnp.int32)
+
+    def step(self, key: jax.Array, state: AtariState, actions: jax.Array):
+        """`(obs, state, rewards, terminated, truncated, info)` as `BatchedEnv.step`'s; `info.score` is the real score."""
+        handle, (frame, points, terminated, truncated, info) = self.xla_step(state.handle,
+                                                                             self.actions_played(state, actions))
+        # A step of the wrapper's (a reset, a FIRE) starts the stack afresh, with its frame four times.
+        fresh = (state.next_step != PLAY)[:, None, None, None]
+        frames = jnp.where(fresh, jnp.repeat(frame, self.obs_shape[0], axis=1),
+                           jnp.concatenate([state.frames[:, 1:], frame], axis=1))
+        lives, frame_number = info["lives"], info["episode_frame_number"]
+        resetting = state.next_step == RESET
+        start_frame = jnp.where(resetting, frame_number, state.start_frame)
+        life_lost = (lives < state.lives) & (lives > 0)
+        # The vector env restarts a game on the step after a game over or the frame cap (which
+        # `truncated` reports only when no life was lost in the same step).
+        game_over = ~resetting & ((terminated & ~(self.life_loss & life_lost))
+                                  | (frame_number - start_frame >= self.max_frames))
+        serve = self.fire & (resetting | (self.life_loss & life_lost)) & ~game_over
+        next_step = jnp.where(game_over, RESET, jnp.where(serve, FIRE, PLAY)).astype(jnp.int32)
+        length = jnp.where(resetting, frame_number, frame_number - state.frame)
+        info = StepInfo(frames, state.next_step == PLAY, points.astype(jnp.float32), length, game_over)
+        state = AtariState(handle, frames, lives, next_step, frame_number, start_frame)
+        # Learning sees the sign of the points: $r_t \in \{-1, 0, 1\}$, whatever the game's scale.
+        return frames, state, jnp.sign(points).astype(jnp.float32), terminated, truncated, info
 
 
 class NatureActorCritic(nn.Module):
     """For Atari frames: the DQN paper's "Nature CNN" torso, shared by a policy head and a value head.
 
-    Frames arrive as `uint8` stacks, channels first as the workers write them, and are turned
+    Frames arrive as `uint8` stacks, channels first as the vector env writes them, and are turned
     channels last here, inside the compiled program, and scaled to [0, 1].
     """
 
@@ -1193,133 +1034,26 @@ class NatureActorCritic(nn.Module):
         return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
 
 
-def make_atari_functions(network: nn.Module, optimizer: optax.GradientTransformation, config: AtariConfig) -> tuple:
-    """`act(params, obs, key)`, `value_of(params, obs)` and `update_agent`, each jitted."""
-
-    @jax.jit
-    def act(params: Any, obs: jax.Array, key: jax.Array) -> tuple[jax.Array, ...]:
-        key, action_key = jax.random.split(key)
-        policy, values = network.apply(params, obs)
-        actions = policy.sample(action_key)
-        return key, actions, policy.log_prob(actions), values
-
-    @jax.jit
-    def value_of(params: Any, obs: jax.Array) -> jax.Array:
-        return network.apply(params, obs)[1]
-
-    return act, value_of, jax.jit(make_update_agent(network, optimizer, config))
-
-
-class AtariTrainer:
-    """The host side of an Atari run: the workers, the agent, the rollout storage, the counters."""
-
-    def __init__(self, config: AtariConfig, envs: Workers, key: jax.Array):
-        self.config = config
-        self.envs = envs
-        self.network = NatureActorCritic(envs.n_actions)
-        optimizer = make_optimizer(config)
-        key, init_key = jax.random.split(key)
-        params = self.network.init(init_key, jnp.zeros((1, 4, 84, 84), jnp.uint8))
-        self.agent = Agent(params, optimizer.init(params))
-        self.key = key
-        self.update = 0
-        self.global_step = 0
-        shape = (config.num_steps, envs.num_envs)
-        self.rollout = Rollout(obs=np.zeros(shape + (4, 84, 84), np.uint8), actions=np.zeros(shape, np.int32),
-                               log_probs=np.zeros(shape, np.float32), values=np.zeros(shape, np.float32),
-                               next_values=np.zeros(shape, np.float32), rewards=np.zeros(shape, np.float32),
-                               terminated=np.zeros(shape, bool), truncated=np.zeros(shape, bool))
-        self.final_values = np.zeros(shape, np.float32)
-        self.next_obs = np.zeros((envs.num_envs, 4, 84, 84), np.uint8)
-        # Compiled ahead of time for the shapes they will see, so that the first rollout and update
-        # run at full speed (and the time it takes is reported apart).
-        started = time.perf_counter()
-        act, value_of, update_agent = make_atari_functions(self.network, optimizer, config)
-        self.act = act.lower(params, self.next_obs, key).compile()
-        self.value_of = value_of.lower(params, self.next_obs).compile()
-        self.update_agent = update_agent.lower(self.agent, self.rollout, key, 1.0, 1.0).compile()
-        self.compile_seconds = time.perf_counter() - started
-        self.needs_reset = True
-        self.finished_games: list[tuple[int, float, int]] = []
-        self.timings = {"env": 0.0, "inference": 0.0, "update": 0.0}
-
-    def collect_rollout(self, stop_requested=lambda: False) -> Rollout | None:
-        """Play `num_steps` steps in every game; `None` if `stop_requested()` turned true meanwhile."""
-        r = self.rollout
-        if self.needs_reset:
-            self.next_obs[:] = self.envs.reset()
-            self.needs_reset = False
-        self.finished_games = []
-        params = self.agent.params
-        for t in range(self.config.num_steps):
-            if stop_requested():
-                return None
-            started = time.perf_counter()
-            r.obs[t] = self.next_obs
-            self.key, actions, log_probs, values = self.act(params, r.obs[t], self.key)
-            r.actions[t], r.log_probs[t], r.values[t] = jax.device_get((actions, log_probs, values))  # waits for them
-            stepped = time.perf_counter()
-            self.timings["inference"] += stepped - started
-            step = self.envs.step(r.actions[t])
-            self.timings["env"] += time.perf_counter() - stepped
-            r.rewards[t], r.terminated[t], r.truncated[t] = step.rewards, step.terminated, step.truncated
-            if step.truncated.any():
-                # The value of each truncated game's final observation, taken now, while the workers'
-                # `final_obs` still holds it (for all games at once: one shape, one compiled program).
-                self.final_values[t] = self.value_of(params, step.final_obs)
-            self.finished_games += step.finished_games
-            self.next_obs[:] = step.obs
-        started = time.perf_counter()
-        # $V(s_{t+1})$ for every step: the next stored value, the value of the observation after the
-        # rollout for the last step, and the final observation's value where a game was truncated.
-        r.next_values[:-1] = r.values[1:]
-        r.next_values[-1] = self.value_of(params, self.next_obs)
-        np.copyto(r.next_values, self.final_values, where=r.truncated)
-        self.timings["inference"] += time.perf_counter() - started
-        # Counted only for a whole rollout: one cut short by a stop request is discarded.
-        self.global_step += self.config.num_steps * self.envs.num_envs
-        return r
-
-    def update_policy(self, rollout: Rollout) -> dict[str, float]:
-        """One PPO update on `rollout`, with the learning rate and clip range of `self.update`."""
-        started = time.perf_counter()
-        self.key, update_key = jax.random.split(self.key)
-        agent, metrics = self.update_agent(self.agent, jax.tree.map(jnp.asarray, rollout), update_key,
-                                           linear_schedule(self.config.learning_rate, self.update, self.config.num_updates),
-                                           linear_schedule(self.config.clip_range, self.update, self.config.num_updates))
-        metrics = jax.tree.map(float, jax.device_get(metrics))
-        if metrics["diverged"]:
-            raise DivergedError.at(self.update + 1, metrics["largest_step"])
-        self.agent = agent
-        self.update += 1
-        self.timings["update"] += time.perf_counter() - started
-        return metrics
-
-
 # ## Part 3: Running it for real
 #
 # Part 1's functions, run as a program: a command line derived from `Config`, which refuses what
 # cannot work before anything compiles or starts; the hardware choices; checkpoints; TensorBoard
-# events and a progress line; Ctrl-C; the two training runs, gymnax's (the program of `make_train`,
-# run a chunk at a time) and Atari's (through Part 2's workers); evaluation; and `main()`.
+# events and a progress line; Ctrl-C; the training run (the program of `make_train`, run a chunk at
+# a time, on gymnax and Atari alike); evaluation; and `main()`.
 #
 # ### The command line
 #
 # The command line sets the fields of `Config` (and of Part 2's `AtariConfig`) and those of one
 # invocation: where the run's files go, how often it writes a checkpoint, which checkpoint to resume
-# or evaluate, where JAX runs and how Atari's workers start. `RunConfig` adds the second kind to the
+# or evaluate, and where JAX runs. `RunConfig` adds the second kind to the
 # first. A resumed run takes its hyperparameters from the checkpoint, but these from the command line
 # (or their defaults).
 
 
 @dataclass
 class RunConfig(AtariConfig):
-    num_workers: int = 0
-    """Atari: processes that play the games (0: one per CPU core, at most one per game)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where JAX runs (`auto`: a GPU when JAX finds one)."""
-    start_method: Literal["default", "fork", "spawn", "forkserver"] = "default"
-    """Atari: how worker processes are started (`default`: the platform's own)."""
     run_dir: str | None = None
     """Where TensorBoard events and checkpoints go (default: runs/<env>__<seed>__<time>)."""
     checkpoint_every: int = 100
@@ -1449,7 +1183,7 @@ NUMBER_RANGES: dict[str, tuple[float, float]] = {
                                                "update_epochs", "frame_skip", "max_episode_frames",
                                                "checkpoint_every", "eval_episodes"]},
     "total_timesteps": (1, math.inf),
-    **{name: (0, LARGEST_COUNT) for name in ["noop_max", "num_workers"]},
+    "noop_max": (0, LARGEST_COUNT),
     "seed": (0, 2**32 - 1),
     **{name: (POSITIVE, math.inf) for name in ["learning_rate", "clip_range", "max_grad_norm", "target_kl"]},
     **{name: (0, 1) for name in ["gamma", "gae_lambda", "sticky_actions"]},
@@ -1488,16 +1222,14 @@ def check_config(config: RunConfig, family: str) -> None:
     if config.eval is None and config.total_timesteps < config.batch_size:
         raise ConfigError(f"--total-timesteps {config.total_timesteps} is less than one batch "
                           f"({config.batch_size} = num envs x num steps)")
-    if config.num_workers > config.num_envs:
-        raise ConfigError(f"--num-workers {config.num_workers} is more than --num-envs {config.num_envs}")
     if config.max_episode_frames <= config.noop_max + 2 * config.frame_skip:
         raise ConfigError(f"--max-episode-frames {config.max_episode_frames} leaves no room to play "
                           f"after {config.noop_max} no-ops")
     if config.eval is not None and config.resume is not None:
         raise ConfigError("--eval and --resume cannot be used together")
     if family == "Atari" and config.num_seeds > 1:
-        raise ConfigError("--num-seeds trains agents side by side in one compiled program, which needs an "
-                          "environment written in JAX; an Atari run trains one agent")
+        raise ConfigError("--num-seeds is for gymnax environments: an Atari run's games are one C++ vector "
+                          "environment, which vmap cannot copy for each agent; train one agent per process")
     if config.capture_video and config.eval is None:
         raise ConfigError("--capture-video records evaluation episodes; use it with --eval CHECKPOINT")
 
@@ -1638,7 +1370,7 @@ def choose_device(requested: str) -> str:
     """Point JAX at the device asked for; the name of the device it will use.
 
     Call it before JAX computes anything: choosing the CPU only works before JAX has started its
-    other backends, and (for Atari) the workers must be forked before JAX starts its threads.
+    other backends.
     """
     if requested == "cpu":
         jax.config.update("jax_platforms", "cpu")
@@ -1655,15 +1387,21 @@ def choose_device(requested: str) -> str:
 # A checkpoint holds all the state of training as a pytree of arrays, written with flax's msgpack
 # serialization: no pickle, so loading one runs no code from the file. For a gymnax run that is the
 # whole `Runner` of every agent, environment states included, so a resumed run continues exactly
-# where the first stopped, bit for bit. For Atari it is the agent and its key; the games restart,
-# as in `ppo_atari.py`. Keys are stored as their raw `uint32` words (`jax.random.key_data`), and
+# where the first stopped, bit for bit. For Atari it is the same but for the games, which live in
+# C++ and restart, as in `ppo_atari.py`. Keys are stored as their raw `uint32` words (`jax.random.key_data`), and
 # arrays split over devices are gathered into one on the host first (`jax.device_get`).
 
 CHECKPOINT_FORMAT = "ppo_jax/1"
 
 
 def storable(runners: Runner) -> Runner:
-    return runners._replace(key=jax.random.key_data(runners.key))
+    """`runners` as a checkpoint holds them: keys as their words, and no Atari games.
+
+    An Atari game's state lives in the vector env's C++ threads, out of reach: a resumed Atari run
+    starts new games (as `ppo_atari.py`'s does), with the agent, its key and its counters restored.
+    """
+    env_state = () if isinstance(runners.env_state, AtariState) else runners.env_state
+    return runners._replace(key=jax.random.key_data(runners.key), env_state=env_state)
 
 
 def checkpoint_state(config: Config, env_id: str, update: int, global_step: int, **trees) -> dict:
@@ -1715,10 +1453,8 @@ def load_checkpoint(path: str) -> dict:
                           f"({type(error).__name__})") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{path} is not a ppo_jax.py checkpoint")
-    trees = ([("runners", "agent", "params")] if checkpoint.get("env_id") in GYMNAX_FAMILIES
-             else [("agent", "params"), ("key",)])
     for names in [("env_id",), ("update",), ("global_step",),
-                  *[("config", field.name) for field in dataclasses.fields(AtariConfig)], *trees]:
+                  *[("config", field.name) for field in dataclasses.fields(AtariConfig)], ("runners", "agent", "params")]:
         node = checkpoint
         for name in names:
             if not isinstance(node, dict) or name not in node:
@@ -1863,7 +1599,7 @@ def hyperparameter_table(config: Config, env_id: str) -> str:
 #
 # Before training begins there is nothing to save, and Ctrl-C (or SIGTERM) exits at once. During
 # training, the first asks the run to stop at the next safe point, the end of the chunk being
-# computed (two seconds or so away: see `train_gymnax`), where it writes a checkpoint and exits; a
+# computed (two seconds or so away: see `train_compiled`), where it writes a checkpoint and exits; a
 # second aborts at once and writes none. The exit status is 128 plus the signal's number, 130 for
 # Ctrl-C and 143 for SIGTERM, and the message names the last checkpoint, one that exists, or says
 # that none was written.
@@ -1975,15 +1711,13 @@ class SignalThread(StopRequest):
 
 # ### The training runs
 #
-# The two runs differ in how a rollout is produced and share the rest: the run directory and its
-# lock, TensorBoard's first event (a table of the hyperparameters), the checkpoint file and how a
-# run ends, well or not. Every way a run can end is one line on stderr and an exit status:
+# A run has a directory and its lock, TensorBoard's first event (a table of the hyperparameters), a
+# checkpoint file, and an end, good or not. Every way a run can end is one line on stderr and an exit status:
 #
 # | how it ends | status | the line |
 # |---|---|---|
 # | all its updates done | 0 | `done: N steps; checkpoint in PATH` |
 # | Ctrl-C or SIGTERM | 130 or 143 | `stopped at update K; resume with --resume PATH` |
-# | a worker failed (Atari) | 1 | the worker's traceback, then where the checkpoint was saved |
 # | the update diverged (`diverged`, Part 1) | 1 | `diverged at update K ...; the last good checkpoint is PATH` |
 # | a file could not be written (a full disk) | 1 | `ppo_jax.py: error: no space left on device while writing PATH; ...` |
 #
@@ -2057,7 +1791,7 @@ class Run:
         """The run's writer (the mean over agents) and, for several agents, one per agent in `agent-<i>/`.
 
         TensorBoard shows each directory as a run of its own, so every agent's curves and their
-        mean appear under the same tags. Opened after the workers start: the writer runs a thread.
+        mean appear under the same tags.
         """
         if self.config.track:  # before the writers, so that wandb sees their events
             self.tracking = start_tracking(self.config, self.dir.name)
@@ -2115,19 +1849,11 @@ class Run:
                counters: Callable[[], tuple[int, int]]) -> int:
         """Run `loop` until it ends or a stop is requested, save, and report; the exit status."""
         self.stop.training = True
-        worker_error = None
         try:
-            try:
-                loop(self.stop)
-            except WorkerError as error:
-                worker_error = error  # the agent is whole (the update had not begun): save it, then report
+            loop(self.stop)
             save()
             self.close_writers()
             update, global_step = counters()
-            if worker_error is not None:
-                print(f"\n{worker_error}\ncheckpoint of update {update} saved in {self.checkpoint_path}",
-                      file=sys.stderr)
-                return 1
             if self.stop():
                 print(f"stopped at update {update}; resume with --resume {self.checkpoint_path}", file=sys.stderr)
                 return 128 + self.stop.signal
@@ -2173,18 +1899,13 @@ def agent_keys(config: Config) -> jax.Array:
     return jax.random.split(jax.random.key(config.seed), config.num_seeds)
 
 
-def game_options(config: AtariConfig) -> dict:
-    return dict(sticky_actions=config.sticky_actions, life_loss=config.life_loss, noop_max=config.noop_max,
-                frame_skip=config.frame_skip, max_episode_frames=config.max_episode_frames)
-
-
 # The compiled chunks of a gymnax run: about this long each, and never more updates than this.
 CHUNK_SECONDS = 2.0
 LONGEST_CHUNK = 1000
 
 
-def train_gymnax(config: RunConfig, env_id: str, checkpoint: dict | None, stop: StopRequest) -> int:
-    """Train `num_seeds` agents on a gymnax environment: `make_train`'s program, a chunk of the run at a time.
+def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, stop: SignalThread) -> int:
+    """Train `num_seeds` agents (on Atari, one): `make_train`'s program, a chunk of the run at a time.
 
     A chunk is some updates of every agent, `train_chunk` under `vmap`; between chunks the run
     writes TensorBoard events, shows its progress, saves a checkpoint every `--checkpoint-every`
@@ -2210,6 +1931,12 @@ def train_gymnax(config: RunConfig, env_id: str, checkpoint: dict | None, stop: 
         template = jax.eval_shape(lambda keys: storable(jax.vmap(training.init)(keys)), keys)
         runners = restore_tree(template, checkpoint["runners"], config.resume)
         runners = runners._replace(key=jax.random.wrap_key_data(runners.key))
+        if isinstance(training.env, AtariEnv):
+            # The games were not saved (see `storable`): new ones begin, from seeds of the update reached.
+            keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, checkpoint["update"])
+            games = jax.jit(jax.vmap(training.init))(keys)
+            runners = runners._replace(env_state=games.env_state, obs=games.obs,
+                                       episode_returns=games.episode_returns, episode_lengths=games.episode_lengths)
     # Place the agents over the devices; everything computed from them stays where they are.
     mesh = seed_mesh(config.num_seeds)
     runners = jax.device_put(runners, split_over_seeds(mesh))
@@ -2287,61 +2014,6 @@ def log_gymnax_updates(run: Run, metrics: dict[str, np.ndarray], first_update: i
     run.writer.add_scalar("charts/SPS", sps, step)
 
 
-def train_atari(config: RunConfig, env_id: str, checkpoint: dict | None, stop: StopRequest) -> int:
-    """Train one agent on an Atari game through worker processes, as `ppo_atari.py` does."""
-    run = Run(config, env_id, checkpoint, stop)
-    num_workers = config.num_workers or min(config.num_envs, len(os.sched_getaffinity(0))
-                                            if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    start_method = None if config.start_method == "default" else config.start_method
-    # The workers start before JAX does anything, so that forking them copies no JAX thread.
-    with Workers(env_id, config.num_envs, num_workers, config.seed, game_options(config), start_method) as envs:
-        device = choose_device(config.device)
-        trainer = AtariTrainer(config, envs, agent_keys(config)[0])
-        if checkpoint is not None:
-            trainer.agent = restore_tree(jax.eval_shape(lambda: trainer.agent), checkpoint["agent"], config.resume)
-            trainer.key = jax.random.wrap_key_data(jnp.asarray(checkpoint["key"], jnp.uint32))
-            trainer.update, trainer.global_step = checkpoint["update"], checkpoint["global_step"]
-        run.open_writers()
-        print(f"{env_id}: training on {device} (compiled in {trainer.compile_seconds:.1f} s), {config.num_envs} games "
-              f"in {num_workers} workers; logs and checkpoints in {run.dir}", file=sys.stderr)
-        progress = Progress(run.total_steps, trainer.global_step)
-        if checkpoint is not None:
-            progress.scores.extend(checkpoint.get("recent_scores", []))  # absent from older checkpoints
-
-        def loop(stop: StopRequest) -> None:
-            while trainer.update < config.num_updates:
-                timings_before = dict(trainer.timings)
-                rollout = trainer.collect_rollout(stop)
-                if rollout is None:
-                    return
-                metrics = trainer.update_policy(rollout)
-                step = trainer.global_step
-                for _, score, length in trainer.finished_games:
-                    log_episodes(run.writer, score, length, step)
-                    progress.scores.append(score)
-                log_update(run.writer, metrics, step)
-                run.writer.add_scalar("charts/SPS", progress.steps_per_second(step), step)
-                for name, seconds in trainer.timings.items():
-                    run.writer.add_scalar(f"perf/{name}_seconds", seconds - timings_before[name], step)
-                progress.show(step)
-                if trainer.update % config.checkpoint_every == 0:
-                    save()
-                if stop():
-                    return
-
-        def save() -> None:
-            # The progress line's recent scores ride along, so that a resumed run's line goes on from them.
-            run.write_checkpoint(checkpoint_state(config, env_id, trainer.update, trainer.global_step,
-                                                  agent=trainer.agent, key=jax.random.key_data(trainer.key),
-                                                  recent_scores=np.asarray(progress.scores, np.float64)))
-
-        def counters() -> tuple[int, int]:
-            progress.show(trainer.global_step, final=True)
-            return trainer.update, trainer.global_step
-
-        return run.finish(loop, save, counters)
-
-
 # ### Experiment tracking
 #
 # `--track` sends the run to Weights & Biases, as CleanRL does. wandb mirrors every TensorBoard
@@ -2383,11 +2055,32 @@ def track_evaluation(config, returns: list[float], videos: list[Path]) -> None:
 # ### Evaluation
 #
 # Evaluation plays whole episodes with the policy sampling its actions, as in training, and
-# reports the real, unclipped return of each. On gymnax it is one more compiled program: every
-# agent plays `eval_episodes` episodes at once, for as many steps as the longest episode can last.
-# To record them, the first agent's episodes are played again by the same program with the same
-# key, keeping the environments' state at every step, and the states are drawn afterwards.
+# reports the real, unclipped return of each (on Atari, the score of a whole game, all its lives).
+# It is one more compiled program: every agent plays `eval_episodes` episodes at once, until the
+# last has ended. To record them, the first agent's episodes are played again with the same key:
+# on gymnax by the same program, keeping the environments' state at every step (for as many steps
+# as the longest episode can last), and the states are drawn afterwards; on Atari a step at a
+# time, beside a twin of the games in colour.
 
+
+def evaluation_start(env: BatchedEnv, key: jax.Array) -> tuple:
+    """The carry of an evaluation at its start: `(obs, state, returns, playing, key)`, every episode playing."""
+    key, reset_key = jax.random.split(key)
+    obs, state = env.reset(reset_key)
+    return obs, state, jnp.zeros(env.num_envs), jnp.ones(env.num_envs, bool), key
+
+
+def evaluation_step(network: nn.Module, env: BatchedEnv, params: Any, carry: tuple) -> tuple[tuple, jax.Array]:
+    """One step of every environment with the policy, sampling its actions as in training; the carry, and the actions."""
+    obs, state, returns, playing, key = carry
+    key, action_key, env_key = jax.random.split(key, 3)
+    policy, _ = network.apply(params, obs)
+    actions = policy.sample(action_key)
+    obs, state, _, _, _, info = env.step(env_key, state, actions)
+    # An environment that finished its episode (Atari: its game) goes on, but no longer counts.
+    returns = returns + jnp.where(playing, info.score, 0.0)
+    playing = playing & ~info.episode_over
+    return (obs, state, returns, playing, key), actions
 
 
 def make_evaluate(network: nn.Module, env: BatchedEnv, record: bool = False) -> Callable[[Any, jax.Array], Any]:
@@ -2396,41 +2089,40 @@ def make_evaluate(network: nn.Module, env: BatchedEnv, record: bool = False) -> 
     its episode was still going on then: `(returns, first_states, (states, playing))`."""
 
     def evaluate(params: Any, key: jax.Array) -> Any:
-        key, reset_key = jax.random.split(key)
-        obs, first_states = env.reset(reset_key)
+        carry = evaluation_start(env, key)
+        if not record:  # until every episode has ended
+            carry = jax.lax.while_loop(lambda carry: carry[3].any(),
+                                       lambda carry: evaluation_step(network, env, params, carry)[0], carry)
+            return carry[2]
 
-        def step(carry: tuple, _) -> tuple[tuple, Any]:
-            obs, state, returns, playing, key = carry
-            key, action_key, env_key = jax.random.split(key, 3)
-            policy, _ = network.apply(params, obs)
-            obs, state, rewards, terminated, truncated, _ = env.step(env_key, state, policy.sample(action_key))
-            # An environment that finished its episode goes on (it was reset), but no longer counts.
-            returns = returns + jnp.where(playing, rewards, 0.0)
-            playing = playing & ~(terminated | truncated)
-            return (obs, state, returns, playing, key), ((state, playing) if record else None)
+        def step(carry: tuple, _) -> tuple[tuple, tuple]:
+            carry, _ = evaluation_step(network, env, params, carry)
+            return carry, (carry[1], carry[3])
 
-        playing = jnp.ones(env.num_envs, bool)
-        (_, _, returns, _, _), trace = jax.lax.scan(step, (obs, first_states, jnp.zeros(env.num_envs), playing, key),
-                                                    length=env.max_steps)
-        return (returns, first_states, trace) if record else returns
+        first_states = carry[1]
+        (_, _, returns, _, _), trace = jax.lax.scan(step, carry, length=env.max_steps)
+        return returns, first_states, trace
 
     return evaluate
 
 
-def evaluate_gymnax(config: RunConfig, env_id: str, checkpoint: dict) -> np.ndarray:
-    """`[agents, eval_episodes]` returns of the checkpoint's agents."""
+def evaluate_compiled(config: RunConfig, env_id: str, checkpoint: dict) -> np.ndarray:
+    """`[agents, eval_episodes]` returns of the checkpoint's agents (on Atari, the scores of whole games)."""
     choose_device(config.device)
     training = make_train(config, env_id)
     template = jax.eval_shape(jax.vmap(training.init), agent_keys(config)).agent.params
     params = restore_tree(template, checkpoint["runners"]["agent"]["params"], config.eval)
-    network, env = training.network, BatchedEnv(env_id, config.eval_episodes)
+    network, env = training.network, make_env(env_id, config.eval_episodes, config)
     # Episodes unlike the training ones: keys from another branch of the seed's key.
     eval_keys = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), 1), config.num_seeds)
     videos = []
     if config.capture_video:
         first_agent = jax.tree.map(lambda value: value[0], params)
-        played = jax.jit(make_evaluate(network, env, record=True))(first_agent, eval_keys[0])
-        videos = record_gymnax(config, env_id, env, played)
+        if isinstance(env, AtariEnv):
+            videos = record_atari(config, env, network, first_agent, eval_keys[0])
+        else:
+            played = jax.jit(make_evaluate(network, env, record=True))(first_agent, eval_keys[0])
+            videos = record_gymnax(config, env_id, env, played)
     params, eval_keys = jax.device_put((params, eval_keys), split_over_seeds(seed_mesh(config.num_seeds)))
     returns = np.asarray(jax.jit(jax.vmap(make_evaluate(network, env)))(params, eval_keys))
     if config.track:
@@ -2486,36 +2178,46 @@ def render_gymnax(env_id: str, env: BatchedEnv, state: Any) -> np.ndarray:
     return np.repeat(np.repeat(palette[cells], 20, axis=0), 20, axis=1)
 
 
-def evaluate_atari(config: RunConfig, env_id: str, checkpoint: dict) -> np.ndarray:
-    """`[1, eval_episodes]` scores of whole games played with the checkpoint's policy."""
-    seeds = game_seeds(config.seed + 1_000_003, config.eval_episodes)  # games unlike the training ones
-    games = [Game(env_id, seed, **game_options(config)) for seed in seeds]
-    choose_device(config.device)
-    network = NatureActorCritic(games[0].n_actions)
-    act, _, _ = make_atari_functions(network, make_optimizer(config), config)
-    template = jax.eval_shape(network.init, jax.random.key(0), jnp.zeros((1, 4, 84, 84), jnp.uint8))
-    params = restore_tree(template, checkpoint["agent"]["params"], config.eval)
-    key = jax.random.fold_in(jax.random.key(config.seed), 1)
-    videos = open_videos(config, env_id, games) if config.capture_video else []
-    scores = np.zeros(len(games))
-    playing = set(range(len(games)))
-    for game in games:
-        game.reset()
-    while playing:
-        # Every game's frames, finished or not, so that the policy always sees one shape.
-        key, actions, _, _ = act(params, np.stack([game.obs for game in games]), key)
-        for i in sorted(playing):
-            step = games[i].step(int(actions[i]))
-            if videos:
-                videos[i].write(cv2.resize(games[i].render(), None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST))
-            if step.game_over:
-                scores[i] = step.score
-                playing.discard(i)
-                if videos:
-                    videos[i].close()
-    if config.track:
-        track_evaluation(config, scores.tolist(), [video.path for video in videos])
-    return scores[None]
+def record_atari(config: RunConfig, env: AtariEnv, network: nn.Module, params: Any, key: jax.Array) -> list[Path]:
+    """Play the games `make_evaluate` plays with `key`, a step at a time, into one mp4 each, in <run dir>/videos.
+
+    The frames the agent sees are grey and small. A twin of the vector env in colour, at the
+    screen's size, with the same settings and seeds, stepped with the same actions, plays the very
+    same games (the emulator is deterministic), and its frames are the video's.
+    """
+    from ale_py.vector_env import AtariVectorEnv
+
+    twin = AtariVectorEnv(env.game, env.num_envs, stack_num=1, grayscale=False, img_height=210, img_width=160,
+                          maxpool=False, **env.settings)
+    start = jax.jit(functools.partial(evaluation_start, env))
+
+    @jax.jit
+    def step(carry: tuple) -> tuple[tuple, jax.Array]:
+        new_carry, actions = evaluation_step(network, env, params, carry)
+        return new_carry, env.actions_played(carry[1], actions)
+
+    carry = start(key)
+    twin.reset(seed=np.asarray(env.seeds(jax.random.split(key)[1])))
+    video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
+    video_dir.mkdir(parents=True, exist_ok=True)
+    # 60 frames a second divided by the frame skip: the videos play in real time.
+    videos = [Video(video_dir / f"eval-{env.game}-game{index:02d}.mp4", 60 / config.frame_skip)
+              for index in range(env.num_envs)]
+    try:
+        while True:
+            playing = np.asarray(carry[3])
+            if not playing.any():
+                break
+            carry, actions = step(carry)
+            frames = twin.step(np.asarray(actions))[0][:, 0]
+            for index in np.flatnonzero(playing):
+                videos[index].write(cv2.resize(frames[index], None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST))
+    finally:
+        for video in videos:
+            video.close()
+        twin.close()
+    print(f"videos in {video_dir}", file=sys.stderr)
+    return [video.path for video in videos]
 
 
 class Video:
@@ -2554,17 +2256,6 @@ class Video:
             self.file = None
 
 
-def open_videos(config: RunConfig, env_id: str, games: list[Game]) -> list:
-    """One mp4 writer per game, in <run dir>/videos, twice the screen's size, in real time."""
-    video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
-    video_dir.mkdir(parents=True, exist_ok=True)
-    # 60 frames a second divided by the frame skip: the video plays in real time.
-    videos = [Video(video_dir / f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4", 60 / config.frame_skip)
-              for index in range(len(games))]
-    print(f"videos in {video_dir}", file=sys.stderr)
-    return videos
-
-
 def describe_returns(returns: np.ndarray) -> str:
     return f"{np.mean(returns):.1f} ± {np.std(returns):.1f} (min {np.min(returns):g}, max {np.max(returns):g})"
 
@@ -2578,8 +2269,7 @@ def main(argv: list[str] | None = None) -> int:
         if config.track:
             import_wandb()  # here, so that a missing wandb stops the run before it starts
         if config.eval is not None:
-            evaluate = evaluate_atari if family == "Atari" else evaluate_gymnax
-            returns = evaluate(config, env_id, checkpoint)
+            returns = evaluate_compiled(config, env_id, checkpoint)
             what = "games, score" if family == "Atari" else "episodes, return"
             if len(returns) > 1:
                 for agent, agent_returns in enumerate(returns):
@@ -2589,13 +2279,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{describe_returns(returns)}")
             return 0
         with SignalThread() as stop:
-            return (train_atari if family == "Atari" else train_gymnax)(config, env_id, checkpoint, stop)
+            return train_compiled(config, env_id, checkpoint, stop)
     except ConfigError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
-    except WorkerError as error:  # the workers could not start: what happened, and the worker's traceback if any
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:  # before training began (while compiling, say): nothing to save
         print(f"\n{PROG}: interrupted", file=sys.stderr)
         return 130
@@ -2631,7 +2318,8 @@ def main(argv: list[str] | None = None) -> int:
 # a run started on two devices can be resumed or evaluated on one.
 #
 # An Atari run is not spread. It trains one agent, so the devices would have to split its batch and
-# add up their gradients at every minibatch; and its time goes to the emulators, on the CPU.
+# add up their gradients at every minibatch; and its games run in the CPU's threads whatever the
+# device (on a GPU, the vector env's custom call copies the frames over at each step).
 
 SEED_AXIS = "seeds"
 

@@ -40,9 +40,9 @@ stop at a step: this file reads their progress line (`step 1,024/10,000,000 (0.0
 sends one SIGINT once the step shown reaches the budget; the script finishes what it is doing,
 writes its checkpoint and exits 130. The script's stderr is a pseudo-terminal, because the scripts
 print their progress line after every update on a terminal but only every 10 seconds into a pipe
-or a file. ppo_atari.py and vpg_continuous.py (and ppo_jax.py on Atari) then stop exactly at the
+or a file. ppo_atari.py and vpg_continuous.py then stop exactly at the
 first update that reaches the budget: the SIGINT arrives while the next rollout is played, and they
-drop an unfinished rollout. ppo_jax.py on a gymnax environment runs compiled pieces of
+drop an unfinished rollout. ppo_jax.py (on gymnax and on Atari alike) runs compiled pieces of
 `--checkpoint-every` updates and sees a signal only between two of them: it stops at the end of
 the first piece that reaches the budget, or of the one after it when the signal comes late (give it
 `-- --checkpoint-every N` with pieces that end on the budget). Steps past the budget stay in the
@@ -57,9 +57,9 @@ The score at step `t` is the mean of the last `--window` (100) scores logged und
 `charts/episodic_return` at a step of at most `t`, in the order they were logged. ppo_atari.py
 logs one score per finished game (the game's real score over all its lives) and vpg_continuous.py
 one per finished episode, each at the step of the update in which it ended: for them a point is
-the mean real score of the last 100 whole games or episodes. ppo_jax.py on a gymnax environment
-logs, per update, the mean return of the episodes that ended in that update (nothing when none
-did); with `--num-seeds N` it trains N agents in one process and logs each in
+the mean real score of the last 100 whole games or episodes. ppo_jax.py logs, per update, the
+mean return of the episodes (on Atari, the real scores of the whole games) that ended in that
+update (nothing when none did); with `--num-seeds N` it trains N agents in one process and logs each in
 `<run dir>/agent-<i>/` (the run dir itself holds their mean, which is not used here). For those
 runs a point is, for each agent, the mean over the last 100 updates in which an episode of that
 agent ended of the mean return of those episodes: an update's episodes weigh as one, however many
@@ -195,7 +195,7 @@ TASKS = {task.name: task for task in [
          anchors=(Anchor("PureJaxRL PPO (README plot, against seconds): ≈ 40 at its run's end",
                          ((10_000_000, 40.0),), level=True),)),
     Task("breakout-jax", "ppo_jax.py", "Breakout", schedule=10_000_000, budget=2_000_000, seeds=(1, 2),
-         score="score", unit="games", anchors=(CLEANRL_BREAKOUT,)),
+         score="score", unit="updates", anchors=(CLEANRL_BREAKOUT,)),
 ]}
 
 UNITS = {"ppo_atari.py": "games", "vpg_continuous.py": "episodes"}

@@ -5,15 +5,19 @@
     and for 16 agents side by side.
 (b) The whole process: `python ppo_jax.py` with the same settings (its defaults), from start to
     exit: Python's start, imports, compilation, training, TensorBoard events and checkpoints.
-(c) Atari through the workers: agent steps per second of ppo_jax.py's Atari trainer beside
-    ppo_atari.py's, with the same settings (8 games x 128 steps, the default update), the time of an
-    iteration split into env stepping, inference and the update.
+(c) Atari: agent steps per second of ppo_jax.py's compiled iteration (ale-py's vector env stepped
+    inside the program) beside ppo_atari.py's trainer (worker processes), with the same settings
+    (Breakout, 8 games x 128 steps, the default update); ppo_jax.py's iteration is one program, so
+    its rollout (games and inference) and its update are also timed as programs of their own. And
+    the games alone, random actions, no network: ppo_jax.py's `AtariEnv` in a compiled scan against
+    ppo_atari.py's `Workers`.
 
 The kinds of measurement alternate, `--repeats` times, and medians are reported, so that a noisy
 neighbour on a shared machine hits all alike; the load average is printed with each result.
 
     python benchmarks/ppo_jax_speed.py                 # all three
     python benchmarks/ppo_jax_speed.py --part compiled --seeds 1 16 1024
+    python benchmarks/ppo_jax_speed.py --part atari --repeats 2
 
 Timings are never asserted in tests; this script is where they are measured. JAX's persistent
 compilation cache is switched off for every measurement, so that compile times are real.
@@ -77,52 +81,111 @@ def measure_process(seeds: int) -> dict:
 
 
 def measure_atari(script: str, iterations: int, warmup: int) -> dict:
-    """Agent steps per second of one script's Atari trainer: Breakout, 8 games x 128 steps, the default update."""
+    """Agent steps per second of one script's Atari training: Breakout, 8 games x 128 steps, the default update."""
     import numpy as np
 
     if script == "ppo_jax":
-        import ppo_jax as module
-    else:
-        import ppo_atari as module
-    env_id = module.resolve_env("Breakout")[0] if script == "ppo_jax" else module.resolve_env_id("Breakout")
-    config = module.Config(env=env_id, num_envs=8) if script == "ppo_atari" else module.RunConfig(
-        env=env_id, **module.PRESETS["Atari"])
+        import jax
+
+        import ppo_jax
+
+        ppo_jax.choose_device("auto")
+        config = ppo_jax.RunConfig(env=ppo_jax.resolve_env("Breakout")[0], **ppo_jax.PRESETS["Atari"])
+        training = ppo_jax.make_train(config)
+        runner = jax.jit(training.init)(jax.random.key(1))
+        programs = {"iteration": jax.jit(training.update), "rollout": jax.jit(training.collect)}
+        update_agent = jax.jit(ppo_jax.make_update_agent(training.network, ppo_jax.make_optimizer(config), config))
+        rollout = programs["rollout"](runner)[1]
+        programs["update"] = lambda runner: update_agent(runner.agent, rollout, runner.key, 2.5e-4, 0.1)
+        seconds = {}
+        for name, program in programs.items():
+            timed = []
+            for iteration in range(warmup + iterations):
+                started = time.perf_counter()
+                result = jax.block_until_ready(program(runner))
+                if iteration >= warmup:
+                    timed.append(time.perf_counter() - started)
+                if name == "iteration":
+                    runner = result[0]
+            seconds[name] = statistics.median(timed)
+        return {"script": script, "sps": config.batch_size / seconds["iteration"],
+                "seconds_per_iteration": seconds["iteration"], "rollout_s": seconds["rollout"],
+                "update_s": seconds["update"]}
+
+    import torch
+
+    import ppo_atari as module
+
+    env_id = module.resolve_env_id("Breakout")
+    config = module.Config(env=env_id, num_envs=8)
     num_workers = min(config.num_envs, len(os.sched_getaffinity(0)))
     with module.Workers(env_id, config.num_envs, num_workers, 1, module.game_options(config)) as envs:
-        if script == "ppo_jax":
-            import jax
-
-            module.choose_device("auto")
-            trainer = module.AtariTrainer(config, envs, jax.random.key(1))
-        else:
-            import torch
-
-            torch.manual_seed(1)
-            device = module.choose_device("auto")
-            # The trainer a run uses; its phases are timed from outside, as ppo_atari.py times them.
-            timed = {"env": 0.0, "sampling": 0.0, "update": 0.0}
-            module.time_calls(envs, "step", timed, "env")
-            trainer = module.TunedTrainer(config, envs, device)
-            module.time_calls(trainer, "collect_rollout", timed, "sampling")
-            module.time_calls(trainer, "update_policy", timed, "update")
-
-        def phases() -> dict[str, float]:
-            if script == "ppo_jax":
-                return dict(trainer.timings)
-            return {"env": timed["env"], "inference": timed["sampling"] - timed["env"], "update": timed["update"]}
-
+        torch.manual_seed(1)
+        device = module.choose_device("auto")
+        # The trainer a run uses; its phases are timed from outside, as ppo_atari.py times them.
+        timed = {"env": 0.0, "sampling": 0.0, "update": 0.0}
+        module.time_calls(envs, "step", timed, "env")
+        trainer = module.TunedTrainer(config, envs, device)
+        module.time_calls(trainer, "collect_rollout", timed, "sampling")
+        module.time_calls(trainer, "update_policy", timed, "update")
         per_iteration, splits = [], []
         for iteration in range(warmup + iterations):
-            before = phases()
+            before = dict(timed)
             started = time.perf_counter()
             trainer.update_policy(trainer.collect_rollout())
             if iteration >= warmup:
                 per_iteration.append(time.perf_counter() - started)
-                after = phases()
-                splits.append({name: after[name] - before[name] for name in after})
+                splits.append({name: timed[name] - before[name] for name in timed})
     seconds = statistics.median(per_iteration)
     return {"script": script, "sps": config.batch_size / seconds, "seconds_per_iteration": seconds,
-            **{f"{name}_s": float(np.median([s[name] for s in splits])) for name in splits[0]}}
+            "rollout_s": float(np.median([s["sampling"] for s in splits])),
+            "env_s": float(np.median([s["env"] for s in splits])),
+            "update_s": float(np.median([s["update"] for s in splits]))}
+
+
+def measure_games(script: str, steps: int = 1024) -> dict:
+    """Agent steps per second of Breakout's 8 games alone, random actions: `steps` steps of each game, after as many untimed."""
+    import numpy as np
+
+    if script == "ppo_jax":
+        import jax
+
+        import ppo_jax
+
+        config = ppo_jax.RunConfig(env=ppo_jax.resolve_env("Breakout")[0], **ppo_jax.PRESETS["Atari"])
+        env = ppo_jax.AtariEnv(config.env, config.num_envs, config)
+
+        @jax.jit
+        def play(state, key):
+            def step(state, key):
+                actions = jax.random.randint(key, (env.num_envs,), 0, env.action_dim)
+                return env.step(key, state, actions)[1], None
+
+            return jax.lax.scan(step, state, jax.random.split(key, steps))[0]
+
+        state = jax.jit(env.reset)(jax.random.key(1))[1]
+        state = jax.block_until_ready(play(state, jax.random.key(2)))  # compiles, and warms the games up
+        started = time.perf_counter()
+        jax.block_until_ready(play(state, jax.random.key(3)).frames)
+        seconds = time.perf_counter() - started
+        num_envs = env.num_envs
+    else:
+        import ppo_atari
+
+        env_id = ppo_atari.resolve_env_id("Breakout")
+        config = ppo_atari.Config(env=env_id, num_envs=8)
+        num_envs = config.num_envs
+        rng = np.random.default_rng(0)
+        with ppo_atari.Workers(env_id, num_envs, min(num_envs, len(os.sched_getaffinity(0))), 1,
+                               ppo_atari.game_options(config)) as envs:
+            envs.reset()
+            for actions in rng.integers(0, envs.n_actions, (steps, num_envs)):
+                envs.step(actions)
+            started = time.perf_counter()
+            for actions in rng.integers(0, envs.n_actions, (steps, num_envs)):
+                envs.step(actions)
+            seconds = time.perf_counter() - started
+    return {"script": script, "sps": steps * num_envs / seconds}
 
 
 def in_fresh_process(*args: str) -> dict:
@@ -156,6 +219,8 @@ def main() -> None:
             result = measure_compiled(int(value))
         elif kind == "process":
             result = measure_process(int(value))
+        elif kind == "games":
+            result = measure_games(value)
         else:
             result = measure_atari(value, args.iterations, args.warmup)
         print(json.dumps(result))
@@ -169,7 +234,7 @@ def main() -> None:
     if args.part in ("process", "all"):
         kinds += [("process", str(seeds)) for seeds in args.seeds]
     if args.part in ("atari", "all"):
-        kinds += [("atari", "ppo_jax"), ("atari", "ppo_atari")]
+        kinds += [("atari", "ppo_jax"), ("atari", "ppo_atari"), ("games", "ppo_jax"), ("games", "ppo_atari")]
     for _ in range(args.repeats):
         for kind in kinds:
             results.setdefault(" ".join(kind), []).append(in_fresh_process(*kind, "--iterations", str(args.iterations),
@@ -186,11 +251,15 @@ def main() -> None:
         elif kind == "process":
             print(f"(b) python ppo_jax.py --num-seeds {value}: {median_of(runs, 'process_s'):.1f} s start to exit "
                   f"(of which tracing and compiling {median_of(runs, 'compile_line_s'):.1f} s)   [load {loads}]")
+        elif kind == "games":
+            what = "AtariEnv, a compiled scan" if value == "ppo_jax" else "Workers, one process per core"
+            print(f"(c) {value}'s games alone ({what}), Breakout, 8 games, random actions: "
+                  f"{median_of(runs, 'sps'):,.0f} agent steps/s   [load {loads}]")
         else:
+            env = f" (of which the games {median_of(runs, 'env_s'):.2f})" if value == "ppo_atari" else ""
             print(f"(c) {value} on Breakout, 8 games x 128 steps: {median_of(runs, 'sps'):,.0f} SPS | per iteration "
-                  f"{median_of(runs, 'seconds_per_iteration'):.2f} s = env {median_of(runs, 'env_s'):.2f} + "
-                  f"inference {median_of(runs, 'inference_s'):.2f} + update {median_of(runs, 'update_s'):.2f}"
-                  f"   [load {loads}]")
+                  f"{median_of(runs, 'seconds_per_iteration'):.2f} s; rollout {median_of(runs, 'rollout_s'):.2f} s"
+                  f"{env}, update {median_of(runs, 'update_s'):.2f} s   [load {loads}]")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

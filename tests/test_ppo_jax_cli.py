@@ -252,7 +252,7 @@ def test_bad_input_through_the_command_line(run, args, message):
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
     (["--capture-video"], "--capture-video records evaluation episodes; use it with --eval"),
-    (["--env", "Breakout", "--num-seeds", "4"], "an Atari run trains one agent"),
+    (["--env", "Breakout", "--num-seeds", "4"], "--num-seeds is for gymnax environments: an Atari run's games"),
     (["--eval", "missing.msgpack"], "checkpoint missing.msgpack does not exist"),
     (["--eval", "a.msgpack", "--resume", "b.msgpack"], "cannot be used together"),
 ])

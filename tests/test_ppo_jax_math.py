@@ -6,6 +6,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 
@@ -190,9 +191,17 @@ def test_the_annealed_learning_rate_is_the_one_applied(one_update, update, fract
     assert largest == pytest.approx(1e-3 * fraction, rel=1e-3)
 
 
-def test_target_kl_stops_the_update_and_nothing_moves():
+def adam_steps(agent: ppo_jax.Agent) -> int:
+    """How many steps Adam has taken: its step count, which moves only with a step that is kept."""
+    return int(next(state.count for state in agent.opt_state if isinstance(state, optax.ScaleByAdamState)))
+
+
+@pytest.mark.parametrize("target_kl, steps", [(None, 8), (1e-12, 2), (1e9, 8)])
+def test_target_kl_skips_the_epochs_after_the_one_that_went_too_far(target_kl, steps):
+    # CleanRL's rule: the whole epoch runs, and if its last minibatch's KL exceeded the target, the
+    # epochs after it are skipped. 4 epochs of 2 minibatches: 8 steps, or 2 with a tiny target.
     config = ppo_jax.Config(num_envs=2, num_steps=8, num_minibatches=2, update_epochs=4, total_timesteps=160,
-                            target_kl=1e-12, learning_rate=0.05)
+                            target_kl=target_kl, learning_rate=0.05)
     network = ppo_jax.MLPActorCritic(2)
     params = network.init(jax.random.key(0), jnp.zeros((1, 4)))
     optimizer = ppo_jax.make_optimizer(config)
@@ -203,11 +212,27 @@ def test_target_kl_stops_the_update_and_nothing_moves():
                               jnp.zeros(shape, bool))
     agent, metrics = jax.jit(update_agent)(ppo_jax.Agent(params, optimizer.init(params)), rollout,
                                            jax.random.key(1), 0.05, 0.2)
-    # The stored log-probabilities differ from the policy's, so the KL exceeds the target at once:
-    # no step is taken, the losses are those of no step (NaN), and the early stop is reported.
-    assert bool(metrics["stopped_early"]) and math.isnan(float(metrics["losses"]["policy_loss"]))
-    for a, b in zip(jax.tree.leaves(agent.params), jax.tree.leaves(params)):
-        np.testing.assert_array_equal(a, b)
+    assert adam_steps(agent) == steps
+    assert bool(metrics["stopped_early"]) == (steps < 8)
+    assert math.isfinite(float(metrics["losses"]["policy_loss"]))
+
+
+def test_steps_that_are_no_transition_weigh_nothing():
+    # The loss, the advantages' normalisation and the explained variance over 8 samples of which 3
+    # are not transitions are those over the 5 others alone.
+    rng = np.random.default_rng(4)
+    arrays = [jnp.asarray(rng.normal(size=8), jnp.float32) for _ in range(7)]
+    valid = jnp.array([True, False, True, True, False, True, False, True])
+    config = ppo_jax.Config(vf_coef=0.5, ent_coef=0.01)
+    masked = ppo_jax.ppo_loss(*arrays, 0.2, config, valid=valid)
+    alone = ppo_jax.ppo_loss(*[x[valid] for x in arrays], 0.2, config)
+    assert masked.keys() == alone.keys()
+    for name in masked:
+        assert float(masked[name]) == pytest.approx(float(alone[name]), rel=1e-5, abs=1e-7), name
+    np.testing.assert_allclose(ppo_jax.normalize_advantages(arrays[0], valid)[valid],
+                               ppo_jax.normalize_advantages(arrays[0][valid]), rtol=1e-5)
+    assert float(ppo_jax.explained_variance(arrays[1], arrays[2], valid)) == pytest.approx(
+        float(ppo_jax.explained_variance(arrays[1][valid], arrays[2][valid])), rel=1e-5)
 
 
 @pytest.mark.parametrize("kernel, stride, size", [(3, 1, 10), (8, 4, 84), (4, 2, 20), (3, 1, 9)])

@@ -19,11 +19,12 @@ PPO_LOSS = ppo_jax.ppo_loss
 
 
 def ppo_loss_with_kl_penalty(log_probs, old_log_probs, advantages, values, old_values, returns, entropy,
-                             clip_range, config):
+                             clip_range, config, valid=None):
     """The fork's loss: PPO's, plus `kl_coef` times the estimate of KL(old || new) that `approx_kl` reports."""
-    terms = PPO_LOSS(log_probs, old_log_probs, advantages, values, old_values, returns, entropy, clip_range, config)
+    terms = PPO_LOSS(log_probs, old_log_probs, advantages, values, old_values, returns, entropy, clip_range, config,
+                     valid)
     log_ratio = log_probs - old_log_probs
-    kl_penalty = ((jnp.exp(log_ratio) - 1.0) - log_ratio).mean()
+    kl_penalty = ppo_jax.masked_mean((jnp.exp(log_ratio) - 1.0) - log_ratio, valid)
     return {**terms, "loss": terms["loss"] + config.kl_coef * kl_penalty, "kl_penalty": kl_penalty}
 
 
