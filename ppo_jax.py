@@ -179,6 +179,8 @@ class Config:
     """Weight of the value loss."""
     max_grad_norm: float = 0.5
     """Clip the global norm of the gradient to this."""
+    clip_value_loss: bool = True
+    """Clip the value prediction's move around the old one at the clip range, as the ratio is clipped."""
     target_kl: float | None = None
     """Stop an update early once the approximate KL divergence to the old policy exceeds this."""
     seed: int = 1
@@ -243,6 +245,108 @@ class BatchedEnv:
         obs, state, rewards, terminated, truncated, info = jax.vmap(
             self.env.step, in_axes=(0, 0, 0, None))(keys, state, actions, self.params)
         return obs, state, rewards, terminated, truncated, info["final_observation"]
+
+
+# ### Normalised observations and scaled rewards, for continuous actions
+#
+# Continuous control is trained on what the environment gives, rescaled twice (details 6 to 9 of
+# the continuous-action list of Huang et al., 2022): each observation is standardised by the
+# running mean and variance of all observations seen so far, and each reward divided by the
+# running standard deviation of the discounted return, each result clipped to $\pm 10$. Pendulum's
+# angular velocity runs to 8 while its sine and cosine stay within 1; its rewards are $-16$ to 0,
+# its returns in the hundreds. Rescaled, the network's inputs and the value function's targets
+# are about 1 whatever the task, and the same learning rate serves them all. PPO's reference code
+# for MuJoCo does this (baselines' `VecNormalize`), and so do CleanRL's `ppo_continuous_action.py`
+# (gym's `NormalizeObservation` and `NormalizeReward`, then a clip) and PureJaxRL's continuous PPO
+# (its `NormalizeVecObservation` and `NormalizeVecReward` wrappers, which do not clip).
+#
+# Which environments get it is decided by the action space: those with continuous actions (the
+# `Gaussian` policy), as in all three; CartPole and MinAtar, like baselines' and CleanRL's Atari
+# and PureJaxRL's discrete PPO, see their observations and rewards as they are.
+#
+# The statistics are part of the training state, a `Normalizer` in the `Runner`: each agent under
+# `vmap` keeps its own, a checkpoint saves them, and evaluation reads them without updating them
+# (the policy learned on observations scaled so, and only so).
+
+
+class RunningMoments(NamedTuple):
+    r"""The running mean and variance of every sample seen so far (over a batch's first axis), and their count.
+
+    A batch of $n_B$ samples with mean $\mu_B$ and variance $\sigma_B^2$ joins the $n$ seen before
+    by the parallel formula of Chan et al. (1979):
+
+    $$\delta = \mu_B - \mu, \qquad n' = n + n_B, \qquad \mu' = \mu + \delta \frac{n_B}{n'}, \qquad
+      \sigma'^2 = \frac{n \sigma^2 + n_B \sigma_B^2 + \delta^2 n n_B / n'}{n'}.$$
+
+    The statistics start at a mean of 0 and a variance of 1 worth $10^{-4}$ samples, as baselines'
+    `RunningMeanStd`, CleanRL's and PureJaxRL's do: the first batch all but replaces them, and
+    nothing is divided by 0.
+    """
+
+    mean: jax.Array
+    var: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def start(cls, shape: tuple[int, ...] = ()) -> RunningMoments:
+        return cls(jnp.zeros(shape), jnp.ones(shape), jnp.array(1e-4))
+
+    def update(self, batch: jax.Array) -> RunningMoments:
+        batch_mean, batch_var, batch_count = batch.mean(axis=0), batch.var(axis=0), batch.shape[0]
+        delta = batch_mean - self.mean
+        count = self.count + batch_count
+        var = (self.var * self.count + batch_var * batch_count + delta**2 * self.count * batch_count / count) / count
+        return RunningMoments(self.mean + delta * batch_count / count, var, count)
+
+    def std(self) -> jax.Array:
+        r"""$\sqrt{\sigma^2 + 10^{-8}}$: the $10^{-8}$ of baselines, CleanRL and PureJaxRL, so that a constant input divides by no 0."""
+        return jnp.sqrt(self.var + 1e-8)
+
+
+class Normalizer(NamedTuple):
+    r"""What an agent on continuous actions sees: observations standardised, rewards scaled, both clipped to $\pm 10$.
+
+    At every step, each environment's discounted return so far is accumulated,
+    $R_t = r_t + \gamma R_{t-1}$, reset to 0 after the step that ends an episode (by termination
+    or by truncation: the next one starts from nothing), with the $\gamma$ of `Config`. The reward
+    the agent learns from is $\mathrm{clip}(r_t / \sigma_R, -10, 10)$, where $\sigma_R$ is the
+    running standard deviation of those $R_t$ (not centred: a shift would change which states are
+    worth ending). The observation it sees is $\mathrm{clip}((o_t - \mu_o) / \sigma_o, -10, 10)$,
+    with the running statistics of every observation so far, this step's included. This is
+    baselines' `VecNormalize` step for step; PureJaxRL zeroes the return at an episode's last
+    step rather than after it, a difference of one reward per episode.
+    """
+
+    obs: RunningMoments
+    returns: RunningMoments
+    """Of the discounted returns $R_t$ of all environments (a scalar mean and variance)."""
+    discounted_returns: jax.Array
+    """`[num_envs]`: each environment's $R_t$, from the start of its episode."""
+
+    @classmethod
+    def start(cls, obs: jax.Array) -> tuple[Normalizer, jax.Array]:
+        """The statistics of the first observations (`[num_envs, ...]`, from `reset`), and those observations normalised."""
+        normalizer = cls(RunningMoments.start(obs.shape[1:]).update(obs), RunningMoments.start(),
+                         jnp.zeros(obs.shape[0]))
+        return normalizer, normalizer.observe(obs)
+
+    def observe(self, obs: jax.Array) -> jax.Array:
+        """`obs` standardised by the statistics as they are, and clipped; the statistics do not change."""
+        return jnp.clip((obs - self.obs.mean) / self.obs.std(), -10.0, 10.0)
+
+    def step(self, obs: jax.Array, final_obs: jax.Array, rewards: jax.Array, done: jax.Array,
+             gamma: float) -> tuple[Normalizer, jax.Array, jax.Array, jax.Array]:
+        """Take in one step of `BatchedEnv.step`: the statistics updated, then `obs` and `final_obs` normalised and `rewards` scaled.
+
+        The statistics take in `obs`, the observations the agent goes on from (the first of a new
+        episode where one ended); `final_obs`, the last of an ended episode, only read for its
+        value, is normalised with them but not counted.
+        """
+        discounted_returns = gamma * self.discounted_returns + rewards
+        returns = self.returns.update(discounted_returns)
+        normalizer = Normalizer(self.obs.update(obs), returns, jnp.where(done, 0.0, discounted_returns))
+        rewards = jnp.clip(rewards / returns.std(), -10.0, 10.0)
+        return normalizer, normalizer.observe(obs), normalizer.observe(final_obs), rewards
 
 
 # ### The policy, written out
@@ -459,7 +563,9 @@ def ppo_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.Arr
     does, and takes the larger error:
 
     $$L^V = \tfrac12 \mathbb{E}_t \max\left((V - R)^2,\;
-      (V_\text{old} + \mathrm{clip}(V - V_\text{old}, -\epsilon, \epsilon) - R)^2\right).$$
+      (V_\text{old} + \mathrm{clip}(V - V_\text{old}, -\epsilon, \epsilon) - R)^2\right),$$
+
+    or, with `clip_value_loss` off (CleanRL's `--no-clip-vloss`), $\tfrac12 \mathbb{E}_t (V - R)^2$.
 
     The entropy bonus $S$ keeps the policy from collapsing early. In all, with the coefficients
     $c_V$ and $c_S$ of `config`, $L = L^\text{CLIP} + c_V L^V - c_S S$.
@@ -479,8 +585,11 @@ def ppo_loss(log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.Arr
     clipped_ratio = jnp.clip(ratio, 1.0 - clip_range, 1.0 + clip_range)
     policy_loss = jnp.maximum(-advantages * ratio, -advantages * clipped_ratio).mean()
 
-    clipped_values = old_values + jnp.clip(values - old_values, -clip_range, clip_range)
-    value_loss = 0.5 * jnp.maximum((values - returns) ** 2, (clipped_values - returns) ** 2).mean()
+    value_errors = (values - returns) ** 2
+    if config.clip_value_loss:
+        clipped_values = old_values + jnp.clip(values - old_values, -clip_range, clip_range)
+        value_errors = jnp.maximum(value_errors, (clipped_values - returns) ** 2)
+    value_loss = 0.5 * value_errors.mean()
 
     entropy = entropy.mean()
     loss = policy_loss + config.vf_coef * value_loss - config.ent_coef * entropy
@@ -656,8 +765,11 @@ class Runner(NamedTuple):
     agent: Agent
     env_state: Any
     obs: jax.Array
+    """`[num_envs, ...]`: the observations the policy acts on next (normalised, for continuous actions)."""
+    normalizer: Normalizer | None
+    """The running statistics of observations and returns, for continuous actions; `None` for discrete ones."""
     episode_returns: jax.Array
-    """`[num_envs]`: the return of each environment's episode so far, for logging."""
+    """`[num_envs]`: the return of each environment's episode so far, the environment's own rewards, for logging."""
     episode_lengths: jax.Array
     key: jax.Array
     update: jax.Array
@@ -695,10 +807,12 @@ def make_train(config: Config, env_id: str | None = None) -> Training:
     def init(key: jax.Array) -> Runner:
         key, network_key, env_key = jax.random.split(key, 3)
         obs, env_state = env.reset(env_key)
+        # Continuous actions: observations normalised and rewards scaled from the first step (see `Normalizer`).
+        normalizer, obs = Normalizer.start(obs) if env.continuous else (None, obs)
         params = init_params(network_key, obs)
         zeros = jnp.zeros(config.num_envs)
-        return Runner(Agent(params, optimizer.init(params)), env_state, obs, zeros, zeros.astype(jnp.int32), key,
-                      jnp.array(0, jnp.int32))
+        return Runner(Agent(params, optimizer.init(params)), env_state, obs, normalizer, zeros,
+                      zeros.astype(jnp.int32), key, jnp.array(0, jnp.int32))
 
     def env_step(runner: Runner, _) -> tuple[Runner, tuple[Rollout, tuple]]:
         """One step of every environment with the current policy: the body of the rollout's scan."""
@@ -707,19 +821,23 @@ def make_train(config: Config, env_id: str | None = None) -> Training:
         policy, values = network.apply(params, runner.obs)
         actions = policy.sample(action_key)
         obs, env_state, rewards, terminated, truncated, final_obs = env.step(env_key, runner.env_state, actions)
+        done = terminated | truncated
+        # The agent learns from the rewards scaled, the episode's return (logged) sums the environment's own.
+        normalizer, learned_rewards = runner.normalizer, rewards
+        if normalizer is not None:
+            normalizer, obs, final_obs, learned_rewards = normalizer.step(obs, final_obs, rewards, done, config.gamma)
         # $V(s_{t+1})$ of the observation the step led to. Where nothing ended, `final_obs` is `obs`
         # and this is the value the next step computes again; where an episode ended, it is the
         # value of its last observation, which the reset has replaced in `obs`. (XLA drops the
         # policy head of this second pass, whose result is unused; the MLP's policy tower goes with
         # it, while the MinAtar CNN's torso, shared by both heads, runs twice.)
         _, next_values = network.apply(params, final_obs)
-        done = terminated | truncated
         episode_returns = runner.episode_returns + rewards
         episode_lengths = runner.episode_lengths + 1
-        step = Rollout(runner.obs, actions, policy.log_prob(actions), values, next_values, rewards, terminated,
-                       truncated)
+        step = Rollout(runner.obs, actions, policy.log_prob(actions), values, next_values, learned_rewards,
+                       terminated, truncated)
         episodes = (done, episode_returns, episode_lengths)
-        runner = runner._replace(env_state=env_state, obs=obs, key=key,
+        runner = runner._replace(env_state=env_state, obs=obs, normalizer=normalizer, key=key,
                                  episode_returns=jnp.where(done, 0.0, episode_returns),
                                  episode_lengths=jnp.where(done, 0, episode_lengths))
         return runner, (step, episodes)
@@ -2346,19 +2464,24 @@ def track_evaluation(config, returns: list[float], videos: list[Path]) -> None:
 
 
 
-def make_evaluate(network: nn.Module, env: BatchedEnv, record: bool = False) -> Callable[[Any, jax.Array], Any]:
-    """`evaluate(params, key)`: the returns of `env.num_envs` whole episodes played with `params`.
-    With `record`, also the first state of every environment, its state after each step, and whether
-    its episode was still going on then: `(returns, first_states, (states, playing))`."""
+def make_evaluate(network: nn.Module, env: BatchedEnv, record: bool = False) -> Callable[[Any, Any, jax.Array], Any]:
+    """`evaluate(params, normalizer, key)`: the returns of `env.num_envs` whole episodes played with `params`.
 
-    def evaluate(params: Any, key: jax.Array) -> Any:
+    The policy sees each observation as it saw them in training: through `normalizer`, the
+    statistics the run ended with, frozen (`Normalizer.observe` only reads them), or as it is where
+    `normalizer` is `None` (discrete actions). With `record`, also the first state of every
+    environment, its state after each step, and whether its episode was still going on then:
+    `(returns, first_states, (states, playing))`."""
+
+    def evaluate(params: Any, normalizer: Normalizer | None, key: jax.Array) -> Any:
         key, reset_key = jax.random.split(key)
         obs, first_states = env.reset(reset_key)
+        observe = (lambda obs: obs) if normalizer is None else normalizer.observe
 
         def step(carry: tuple, _) -> tuple[tuple, Any]:
             obs, state, returns, playing, key = carry
             key, action_key, env_key = jax.random.split(key, 3)
-            policy, _ = network.apply(params, obs)
+            policy, _ = network.apply(params, observe(obs))
             obs, state, rewards, terminated, truncated, _ = env.step(env_key, state, policy.sample(action_key))
             # An environment that finished its episode goes on (it was reset), but no longer counts.
             returns = returns + jnp.where(playing, rewards, 0.0)
@@ -2377,18 +2500,23 @@ def evaluate_gymnax(config: RunConfig, env_id: str, checkpoint: dict) -> np.ndar
     """`[agents, eval_episodes]` returns of the checkpoint's agents."""
     choose_device(config.device)
     training = make_train(config, env_id)
-    template = jax.eval_shape(jax.vmap(training.init), agent_keys(config)).agent.params
-    params = restore_tree(template, checkpoint["runners"]["agent"]["params"], config.eval)
+    # Each agent's parameters and, for continuous actions, the statistics its observations were normalised by.
+    template = jax.eval_shape(jax.vmap(training.init), agent_keys(config))
+    runners = checkpoint["runners"]
+    trained = restore_tree({"params": template.agent.params, "normalizer": template.normalizer},
+                           {"params": runners["agent"]["params"], "normalizer": runners.get("normalizer")}, config.eval)
     network, env = training.network, BatchedEnv(env_id, config.eval_episodes)
     # Episodes unlike the training ones: keys from another branch of the seed's key.
     eval_keys = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), 1), config.num_seeds)
     videos = []
     if config.capture_video:
-        first_agent = jax.tree.map(lambda value: value[0], params)
-        played = jax.jit(make_evaluate(network, env, record=True))(first_agent, eval_keys[0])
+        first_agent = jax.tree.map(lambda value: value[0], trained)
+        played = jax.jit(make_evaluate(network, env, record=True))(first_agent["params"], first_agent["normalizer"],
+                                                                   eval_keys[0])
         videos = record_gymnax(config, env_id, env, played)
-    params, eval_keys = jax.device_put((params, eval_keys), split_over_seeds(seed_mesh(config.num_seeds)))
-    returns = np.asarray(jax.jit(jax.vmap(make_evaluate(network, env)))(params, eval_keys))
+    trained, eval_keys = jax.device_put((trained, eval_keys), split_over_seeds(seed_mesh(config.num_seeds)))
+    returns = np.asarray(jax.jit(jax.vmap(make_evaluate(network, env)))(trained["params"], trained["normalizer"],
+                                                                       eval_keys))
     if config.track:
         track_evaluation(config, returns.ravel().tolist(), videos)
     return returns
