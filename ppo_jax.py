@@ -141,7 +141,7 @@ from tensorboard.summary.writer import event_file_writer
 # | `gamma`, `gae_lambda`, `ent_coef` | 0.99, 0.95, 0.01 | the same | the same | the same | all agree |
 # | `vf_coef` | 0.5 | 0.5 | 0.5 | 1 | theirs; with the $\frac12$ inside the value loss, the squared error weighs 0.25 (the paper's: 1) |
 # | `max_grad_norm`, Adam's $\epsilon$ | 0.5, 1e-5 | 0.5, 1e-5 | 0.5, 1e-5 | none, not given | baselines', kept by all three |
-# | value clipping | at $\epsilon$ | at 0.2 | at 0.2 | none | baselines', and so annealed with $\epsilon$ here |
+# | value clipping (`clip_value_loss`) | at $\epsilon$; off in continuous control's preset | at 0.2 | at 0.2 | none | baselines', and so annealed with $\epsilon$ here; off where it measured worse (Pendulum, Part 3's presets) |
 #
 # "Annealed" means multiplied by $1 - k/N$ at update $k = 0, 1, \dots, N-1$ of $N$: the full value at
 # the first update, falling linearly to $1/N$ of it at the last (not to 0), in PureJaxRL, CleanRL and
@@ -289,7 +289,7 @@ class RunningMoments(NamedTuple):
 
     @classmethod
     def start(cls, shape: tuple[int, ...] = ()) -> RunningMoments:
-        return cls(jnp.zeros(shape), jnp.ones(shape), jnp.array(1e-4))
+        return cls(jnp.zeros(shape), jnp.ones(shape), jnp.array(1e-4, jnp.float32))
 
     def update(self, batch: jax.Array) -> RunningMoments:
         batch_mean, batch_var, batch_count = batch.mean(axis=0), batch.var(axis=0), batch.shape[0]

@@ -107,16 +107,19 @@ def test_the_discounted_return_is_reset_after_the_step_that_ends_an_episode():
 
 @pytest.fixture(scope="module")
 def pendulum():
-    """Two Pendulum agents trained for 4 updates side by side, and what they were trained with."""
+    """Two Pendulum agents side by side: what they train with, their first state, a compiled chunk of 2
+    updates, and the agents after 4 updates."""
     config = ppo_jax.Config(**TINY)
     training = ppo_jax.make_train(config)
     keys = ppo_jax.agent_keys(config)
-    runners, _ = jax.jit(jax.vmap(training.train))(keys)
-    return config, training, keys, runners
+    first = jax.jit(jax.vmap(training.init))(keys)
+    chunk = jax.jit(jax.vmap(lambda runner: training.train_chunk(runner, 2, 2)))
+    runners, _ = chunk(chunk(first)[0])
+    return config, training, keys, first, chunk, runners
 
 
 def test_each_agent_keeps_its_own_statistics(pendulum):
-    config, training, keys, runners = pendulum
+    config, training, keys, _, _, runners = pendulum
     normalizer = runners.normalizer
     # 4 envs, the first observations and one more per step of 4 updates of 32 steps; the returns one fewer.
     np.testing.assert_allclose(normalizer.obs.count, [4 * (1 + 4 * 32) + 1e-4] * 2, rtol=1e-6)
@@ -133,52 +136,50 @@ def test_each_agent_keeps_its_own_statistics(pendulum):
 def test_statistics_are_saved_and_a_resumed_run_goes_on_with_them(pendulum):
     # Two updates, a trip through the checkpoint format, two more: the same statistics (and the same
     # run) as four updates straight.
-    config, training, keys, runners = pendulum
-    chunk = jax.jit(jax.vmap(training.train_chunk, in_axes=(0, None, None)), static_argnums=2)
-    halfway, _ = chunk(jax.jit(jax.vmap(training.init))(keys), 2, 2)
+    config, training, keys, first, chunk, runners = pendulum
+    halfway, _ = chunk(first)
     state = ppo_jax.checkpoint_state(config, "Pendulum-v1", 2, 256, runners=ppo_jax.storable(halfway))
     stored = flax.serialization.msgpack_restore(flax.serialization.msgpack_serialize(state))
     assert stored["runners"]["normalizer"]["obs"]["mean"].shape == (2, 3)
     np.testing.assert_array_equal(stored["runners"]["normalizer"]["returns"]["var"], halfway.normalizer.returns.var)
     template = jax.eval_shape(lambda keys: ppo_jax.storable(jax.vmap(training.init)(keys)), keys)
     restored = ppo_jax.restore_tree(template, stored["runners"], "memory")
-    resumed, _ = chunk(restored._replace(key=jax.random.wrap_key_data(restored.key)), 2, 2)
-    for a, b in zip(jax.tree.leaves(resumed.normalizer), jax.tree.leaves(runners.normalizer)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    resumed, _ = chunk(restored._replace(key=jax.random.wrap_key_data(restored.key)))
+    for a, b in zip(jax.tree.leaves(ppo_jax.storable(resumed)), jax.tree.leaves(ppo_jax.storable(runners))):
+        np.testing.assert_array_equal(a, b)
 
 
 class NormalizedNetwork(nn.Module):
-    """The trained network behind fixed statistics: what the policy must see in evaluation."""
+    """The trained network behind statistics held apart from it, in the collection `statistics`: what the policy must
+    see in evaluation."""
 
     network: nn.Module
-    mean: jax.Array
-    std: jax.Array
 
+    @nn.compact
     def __call__(self, obs):
-        return self.network(jnp.clip((obs - self.mean) / self.std, -10, 10))
+        mean = self.variable("statistics", "mean", jnp.zeros, obs.shape[-1:]).value
+        std = self.variable("statistics", "std", jnp.ones, obs.shape[-1:]).value
+        return self.network(jnp.clip((obs - mean) / std, -10, 10))
 
 
 def test_evaluation_normalises_with_the_statistics_of_the_checkpoint_frozen(pendulum, tmp_path):
-    config, training, keys, runners = pendulum
+    config, training, keys, _, _, runners = pendulum
     state = ppo_jax.checkpoint_state(config, "Pendulum-v1", 4, 512, runners=ppo_jax.storable(runners))
     stored = flax.serialization.msgpack_restore(flax.serialization.msgpack_serialize(state))
     eval_config = ppo_jax.RunConfig(**{**TINY, "eval": str(tmp_path / "checkpoint.msgpack"), "eval_episodes": 3})
     returns = ppo_jax.evaluate_gymnax(eval_config, "Pendulum-v1", stored)
     # The same episodes, played by a network that normalises every observation with the checkpoint's
-    # statistics as they were: the statistics were read, and never updated, by the evaluation.
-    env = ppo_jax.BatchedEnv("Pendulum-v1", 3)
+    # statistics as they were: the evaluation read the statistics, and never updated them.
+    evaluate = jax.jit(jax.vmap(ppo_jax.make_evaluate(NormalizedNetwork(training.network),
+                                                      ppo_jax.BatchedEnv("Pendulum-v1", 3))))
     eval_keys = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), 1), config.num_seeds)
-    for agent in range(2):
-        moments = jax.tree.map(lambda value: value[agent], runners.normalizer.obs)
-        frozen = NormalizedNetwork(training.network, moments.mean, moments.std())
-        params = jax.tree.map(lambda value: value[agent], runners.agent.params)
-        expected = jax.jit(ppo_jax.make_evaluate(frozen, env))({"params": {"network": params["params"]}}, None,
-                                                               eval_keys[agent])
-        np.testing.assert_allclose(returns[agent], expected, rtol=1e-4)
-    # And without the statistics, the same policy plays other episodes.
-    raw = jax.jit(ppo_jax.make_evaluate(training.network, env))(jax.tree.map(lambda value: value[0], runners.agent.params),
-                                                                None, eval_keys[0])
-    assert not np.allclose(returns[0], raw, rtol=1e-3)
+    moments = runners.normalizer.obs
+    frozen = {"params": {"network": runners.agent.params["params"]},
+              "statistics": {"mean": moments.mean, "std": jax.vmap(ppo_jax.RunningMoments.std)(moments)}}
+    np.testing.assert_allclose(returns, evaluate(frozen, None, eval_keys), rtol=1e-4)
+    # Without them, the same policies play other episodes.
+    raw = {**frozen, "statistics": {"mean": jnp.zeros_like(moments.mean), "std": jnp.ones_like(moments.mean)}}
+    assert not np.allclose(returns, evaluate(raw, None, eval_keys), rtol=1e-3)
 
 
 # CartPole's first three updates (4 envs x 32 steps, 2 minibatches, 2 epochs, key 7) as ppo_jax.py computed them
