@@ -256,7 +256,7 @@ class BatchedEnv:
 # running standard deviation of the discounted return, each result clipped to $\pm 10$. Pendulum's
 # angular velocity runs to 8 while its sine and cosine stay within 1; its rewards are $-16$ to 0,
 # its returns in the hundreds. Rescaled, the network's inputs and the value function's targets
-# are about 1 whatever the task, and the same learning rate serves them all. PPO's reference code
+# are of order 1 whatever the task, and the same learning rate serves them all. PPO's reference code
 # for MuJoCo does this (baselines' `VecNormalize`), and so do CleanRL's `ppo_continuous_action.py`
 # (gym's `NormalizeObservation` and `NormalizeReward`, then a clip) and PureJaxRL's continuous PPO
 # (its `NormalizeVecObservation` and `NormalizeVecReward` wrappers, which do not clip).
