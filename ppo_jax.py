@@ -2532,21 +2532,18 @@ def evaluate_gymnax(config: RunConfig, env_id: str, checkpoint: dict) -> np.ndar
     training = make_train(config, env_id)
     # Each agent's parameters and, for continuous actions, the statistics its observations were normalised by.
     template = jax.eval_shape(jax.vmap(training.init), agent_keys(config))
-    runners = checkpoint["runners"]
-    trained = restore_tree({"params": template.agent.params, "normalizer": template.normalizer},
-                           {"params": runners["agent"]["params"], "normalizer": runners.get("normalizer")}, config.eval)
+    params = restore_tree(template.agent.params, checkpoint["runners"]["agent"]["params"], config.eval)
+    normalizers = restore_tree(template.normalizer, checkpoint["runners"].get("normalizer"), config.eval)
     network, env = training.network, BatchedEnv(env_id, config.eval_episodes)
     # Episodes unlike the training ones: keys from another branch of the seed's key.
     eval_keys = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), 1), config.num_seeds)
     videos = []
     if config.capture_video:
-        first_agent = jax.tree.map(lambda value: value[0], trained)
-        played = jax.jit(make_evaluate(network, env, record=True))(first_agent["params"], first_agent["normalizer"],
-                                                                   eval_keys[0])
+        first_agent = jax.tree.map(lambda value: value[0], (params, normalizers))
+        played = jax.jit(make_evaluate(network, env, record=True))(*first_agent, eval_keys[0])
         videos = record_gymnax(config, env_id, env, played)
-    trained, eval_keys = jax.device_put((trained, eval_keys), split_over_seeds(seed_mesh(config.num_seeds)))
-    returns = np.asarray(jax.jit(jax.vmap(make_evaluate(network, env)))(trained["params"], trained["normalizer"],
-                                                                       eval_keys))
+    trained = jax.device_put((params, normalizers, eval_keys), split_over_seeds(seed_mesh(config.num_seeds)))
+    returns = np.asarray(jax.jit(jax.vmap(make_evaluate(network, env)))(*trained))
     if config.track:
         track_evaluation(config, returns.ravel().tolist(), videos)
     return returns
