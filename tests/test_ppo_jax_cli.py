@@ -223,7 +223,7 @@ def test_pendulum_trains_a_gaussian_policy_and_evaluates(run, tmp_path):
     assert result.returncode == 0, result.stderr
     checkpoint = read_checkpoint(tmp_path / "checkpoint.msgpack")
     assert checkpoint["config"]["gamma"] == 0.95  # the continuous-control preset
-    assert checkpoint["config"]["clip_value_loss"] is False
+    assert checkpoint["config"]["clip_value_loss"] is False and checkpoint["config"]["learning_rate"] == 3e-4
     assert checkpoint["runners"]["agent"]["params"]["params"]["log_std"].shape == (1, 1)
     # The statistics of the observations normalised: the first ones and 256 steps' more of 4 envs.
     assert checkpoint["runners"]["normalizer"]["obs"]["count"][0] == pytest.approx(4 * (1 + 256) + 1e-4)
