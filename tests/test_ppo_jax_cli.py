@@ -1,5 +1,6 @@
 """ppo_jax.py on gymnax environments, through its command line as a user runs it, and its checkpoints."""
 
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -193,7 +194,9 @@ def test_a_truncated_episode_bootstraps_from_its_final_observation():
         return env.env.get_obs(state)
 
     final_obs = jax.jit(jax.vmap(replay, in_axes=(0, 1)))(runner.env_state, rollout.actions[:200])
-    _, final_values = training.network.apply(runner.agent.params, final_obs)
+    # Seen as the policy sees it: normalised by the statistics as they were after that step, the 200th.
+    after_200_steps, _, _ = jax.jit(ppo_jax.make_train(dataclasses.replace(config, num_steps=200)).collect)(runner)
+    _, final_values = training.network.apply(runner.agent.params, after_200_steps.normalizer.observe(final_obs))
     np.testing.assert_allclose(rollout.next_values[199], final_values, rtol=1e-5, atol=1e-5)
     assert not np.allclose(rollout.next_values[199], rollout.values[200], atol=1e-3)
 
@@ -220,7 +223,16 @@ def test_pendulum_trains_a_gaussian_policy_and_evaluates(run, tmp_path):
     assert result.returncode == 0, result.stderr
     checkpoint = read_checkpoint(tmp_path / "checkpoint.msgpack")
     assert checkpoint["config"]["gamma"] == 0.95  # the continuous-control preset
+    assert checkpoint["config"]["clip_value_loss"] is False and checkpoint["config"]["learning_rate"] == 3e-4
     assert checkpoint["runners"]["agent"]["params"]["params"]["log_std"].shape == (1, 1)
+    # The statistics of the observations normalised: the first ones and 256 steps' more of 4 envs.
+    assert checkpoint["runners"]["normalizer"]["obs"]["count"][0] == pytest.approx(4 * (1 + 256) + 1e-4)
+    # A resumed run goes on from them: 256 steps more.
+    result = run("--resume", tmp_path / "checkpoint.msgpack", "--total-timesteps", 2048, "--run-dir", tmp_path / "more")
+    assert result.returncode == 0, result.stderr
+    resumed = read_checkpoint(tmp_path / "more" / "checkpoint.msgpack")["runners"]["normalizer"]
+    assert resumed["obs"]["count"][0] == pytest.approx(4 * (1 + 512) + 1e-4)
+    assert resumed["returns"]["count"][0] == pytest.approx(4 * 512 + 1e-4)
     result = run("--eval", tmp_path / "checkpoint.msgpack", "--eval-episodes", 2)
     assert result.returncode == 0, result.stderr
     returns = float(result.stdout.split("return ")[1].split(" ")[0])

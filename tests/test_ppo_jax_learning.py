@@ -29,7 +29,8 @@ def train_cartpole(monkeypatch, advantage_sign: float) -> tuple[np.ndarray, np.n
     training = ppo_jax.make_train(config)
     runners, metrics = jax.jit(jax.vmap(training.train))(keys)
     evaluate = ppo_jax.make_evaluate(training.network, ppo_jax.BatchedEnv("CartPole-v1", 20))
-    test_returns = jax.jit(jax.vmap(evaluate))(runners.agent.params, jax.random.split(jax.random.key(7), SEEDS))
+    test_returns = jax.jit(jax.vmap(evaluate))(runners.agent.params, runners.normalizer,
+                                              jax.random.split(jax.random.key(7), SEEDS))
     return np.asarray(metrics["episodic_return"]), np.asarray(test_returns)
 
 

@@ -102,13 +102,13 @@ def test_gaussian_against_torch():
     assert float(samples.mean()) == pytest.approx(2.0, abs=0.01) and float(samples.std()) == pytest.approx(0.5, abs=0.01)
 
 
-def loss_on(ratios, advantages, clip_range=0.2, values=None, old_values=None, returns=None):
+def loss_on(ratios, advantages, clip_range=0.2, values=None, old_values=None, returns=None, clip_value_loss=True):
     n = len(ratios)
     values = jnp.zeros(n) if values is None else jnp.asarray(values)
     old_values = jnp.zeros(n) if old_values is None else jnp.asarray(old_values)
     returns = jnp.zeros(n) if returns is None else jnp.asarray(returns)
 
-    config = ppo_jax.Config(vf_coef=0.5, ent_coef=0.01)
+    config = ppo_jax.Config(vf_coef=0.5, ent_coef=0.01, clip_value_loss=clip_value_loss)
 
     def loss(log_probs, values):
         return ppo_jax.ppo_loss(log_probs, jnp.zeros(n), jnp.asarray(advantages), values, old_values, returns,
@@ -139,6 +139,15 @@ def test_value_loss_is_clipped_around_the_old_prediction():
                                  returns=[1.0] * 4)
     assert float(terms["value_loss"]) == pytest.approx(0.5 * np.mean([0.81, 0.64, 0.64, 2.25]), rel=1e-5)
     np.testing.assert_allclose(gradient, [0.5 * 2 * (0.1 - 1) / 4, 0, 0, 0.5 * 2 * (-0.5 - 1) / 4], rtol=1e-5)
+
+
+def test_value_loss_unclipped_when_switched_off():
+    # The same predictions with `clip_value_loss` off: the plain squared error of each, and its gradient, everywhere.
+    values = [0.1, 0.5, 1.5, -0.5]
+    terms, _, gradient = loss_on([1.0] * 4, [0.0] * 4, values=values, old_values=[0.0] * 4, returns=[1.0] * 4,
+                                 clip_value_loss=False)
+    assert float(terms["value_loss"]) == pytest.approx(0.5 * np.mean([0.81, 0.25, 0.25, 2.25]), rel=1e-5)
+    np.testing.assert_allclose(gradient, [0.5 * 2 * (v - 1) / 4 for v in values], rtol=1e-5)
 
 
 def test_total_loss_and_kl_estimate():
