@@ -167,7 +167,7 @@ def test_evaluation_normalises_with_the_statistics_of_the_checkpoint_frozen(pend
     state = ppo_jax.checkpoint_state(config, "Pendulum-v1", 4, 512, runners=ppo_jax.storable(runners))
     stored = flax.serialization.msgpack_restore(flax.serialization.msgpack_serialize(state))
     eval_config = ppo_jax.RunConfig(**{**TINY, "eval": str(tmp_path / "checkpoint.msgpack"), "eval_episodes": 3})
-    returns = ppo_jax.evaluate_gymnax(eval_config, "Pendulum-v1", stored)
+    returns = ppo_jax.evaluate_compiled(eval_config, "Pendulum-v1", stored)
     # The same episodes, played by a network that normalises every observation with the checkpoint's
     # statistics as they were: the evaluation read the statistics, and never updated them.
     evaluate = jax.jit(jax.vmap(ppo_jax.make_evaluate(NormalizedNetwork(training.network),
