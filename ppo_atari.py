@@ -791,7 +791,7 @@ class Trainer:
         self.update += 1
         # What the update measured: the mean of every term of the loss over the steps taken
         # (whatever fields its result has), and how much of the returns' variance the values explained.
-        means = torch.stack(history).mean(0) if history else torch.full((len(terms),), float("nan"))
+        means = torch.stack(history).mean(0)  # never empty: target_kl ends an update only after a whole epoch
         measured = {**dict(zip(terms._fields, means.tolist())),
                     "explained_variance": explained_variance(old_values, returns)}
         return {**measured, "learning_rate": learning_rate, "clip_range": clip_range, "epochs": epoch + 1,
