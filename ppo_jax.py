@@ -73,8 +73,10 @@ The page in order:
 
 1. **The algorithm**, for one agent: `Config` and where its defaults come from; the environment
    (`BatchedEnv`); the policy distributions and the actor-critics (`make_network`); `compute_gae`
-   and `normalize_advantages`; `ppo_loss`; the update (`make_update_agent`, two nested scans); the
-   loop of training (`make_train`: `train(key)` is a whole run, `train_chunk` a part of one).
+   and `normalize_advantages`; `ppo_loss`; for continuous actions, the running statistics that
+   normalise observations and scale rewards (`Normalizer`); the update (`make_update_agent`, two
+   nested scans); the loop of training (`make_train`: `train(key)` is a whole run, `train_chunk` a
+   part of one).
 2. **Sampling at speed**: Atari, its games stepped from inside the compiled program by ale-py's
    vector environment (`AtariEnv`), and the reset step that is no transition.
 3. **Running it for real**: the command line, hardware choices, checkpoints, logging, Ctrl-C, the
@@ -283,109 +285,6 @@ def make_env(env_id: str, num_envs: int, config: Config) -> BatchedEnv:
     if env_id in atari_ids():
         return AtariEnv(env_id, num_envs, config)
     return BatchedEnv(env_id, num_envs)
-
-
-# ### Normalised observations and scaled rewards, for continuous actions
-#
-# Continuous control is trained on what the environment gives, rescaled twice (details 6 to 9 of
-# the continuous-action list of Huang et al., 2022): each observation is standardised by the
-# running mean and variance of all observations seen so far, and each reward divided by the
-# running standard deviation of the discounted return, each result clipped to $\pm 10$. Pendulum's
-# angular velocity runs to 8 while its sine and cosine stay within 1; its rewards are $-16$ to 0,
-# its returns in the hundreds. Rescaled, the network's inputs and the value function's targets
-# are of order 1 whatever the task, and the same learning rate serves them all. PPO's reference code
-# for MuJoCo does this (baselines' `VecNormalize`), and so do CleanRL's `ppo_continuous_action.py`
-# (gym's `NormalizeObservation` and `NormalizeReward`, then a clip) and PureJaxRL's continuous PPO
-# (its `NormalizeVecObservation` and `NormalizeVecReward` wrappers, which do not clip).
-#
-# Which environments get it is decided by the action space: those with continuous actions (the
-# `Gaussian` policy), as in all three; CartPole and MinAtar, like baselines' and CleanRL's Atari
-# and PureJaxRL's discrete PPO, see their observations and rewards as they are.
-#
-# The statistics are part of the training state, a `Normalizer` in the `Runner`: each agent under
-# `vmap` keeps its own, a checkpoint saves them, and evaluation reads them without updating them
-# (the policy learned on observations scaled so, and only so).
-
-
-class RunningMoments(NamedTuple):
-    r"""The running mean and variance of every sample seen so far (over a batch's first axis), and their count.
-
-    A batch of $n_B$ samples with mean $\mu_B$ and variance $\sigma_B^2$ joins the $n$ seen before
-    by the parallel formula of Chan et al. (1979):
-
-    $$\delta = \mu_B - \mu, \qquad n' = n + n_B, \qquad \mu' = \mu + \delta \frac{n_B}{n'}, \qquad
-      \sigma'^2 = \frac{n \sigma^2 + n_B \sigma_B^2 + \delta^2 n n_B / n'}{n'}.$$
-
-    The statistics start at a mean of 0 and a variance of 1 worth $10^{-4}$ samples, as baselines'
-    `RunningMeanStd`, CleanRL's and PureJaxRL's do: the first batch all but replaces them, and
-    nothing is divided by 0.
-    """
-
-    mean: jax.Array
-    var: jax.Array
-    count: jax.Array
-
-    @classmethod
-    def start(cls, shape: tuple[int, ...] = ()) -> RunningMoments:
-        return cls(jnp.zeros(shape), jnp.ones(shape), jnp.array(1e-4, jnp.float32))
-
-    def update(self, batch: jax.Array) -> RunningMoments:
-        batch_mean, batch_var, batch_count = batch.mean(axis=0), batch.var(axis=0), batch.shape[0]
-        delta = batch_mean - self.mean
-        count = self.count + batch_count
-        var = (self.var * self.count + batch_var * batch_count + delta**2 * self.count * batch_count / count) / count
-        return RunningMoments(self.mean + delta * batch_count / count, var, count)
-
-    def std(self) -> jax.Array:
-        r"""$\sqrt{\sigma^2 + 10^{-8}}$: the $10^{-8}$ of baselines, CleanRL and PureJaxRL, so that a constant input divides by no 0."""
-        return jnp.sqrt(self.var + 1e-8)
-
-
-class Normalizer(NamedTuple):
-    r"""What an agent on continuous actions sees: observations standardised, rewards scaled, both clipped to $\pm 10$.
-
-    At every step, each environment's discounted return so far is accumulated,
-    $R_t = r_t + \gamma R_{t-1}$, reset to 0 after the step that ends an episode (by termination
-    or by truncation: the next one starts from nothing), with the $\gamma$ of `Config`. The reward
-    the agent learns from is $\mathrm{clip}(r_t / \sigma_R, -10, 10)$, where $\sigma_R$ is the
-    running standard deviation of those $R_t$ (not centred: a shift would change which states are
-    worth ending). The observation it sees is $\mathrm{clip}((o_t - \mu_o) / \sigma_o, -10, 10)$,
-    with the running statistics of every observation so far, this step's included. This is
-    baselines' `VecNormalize` step for step. (PureJaxRL multiplies the return by $1 - \mathrm{done}$
-    of the step itself, so an episode's last reward starts the next episode's return rather than
-    ending its own.)
-    """
-
-    obs: RunningMoments
-    returns: RunningMoments
-    """Of the discounted returns $R_t$ of all environments (a scalar mean and variance)."""
-    discounted_returns: jax.Array
-    """`[num_envs]`: each environment's $R_t$, from the start of its episode."""
-
-    @classmethod
-    def start(cls, obs: jax.Array) -> tuple[Normalizer, jax.Array]:
-        """The statistics of the first observations (`[num_envs, ...]`, from `reset`), and those observations normalised."""
-        normalizer = cls(RunningMoments.start(obs.shape[1:]).update(obs), RunningMoments.start(),
-                         jnp.zeros(obs.shape[0]))
-        return normalizer, normalizer.observe(obs)
-
-    def observe(self, obs: jax.Array) -> jax.Array:
-        """`obs` standardised by the statistics as they are, and clipped; the statistics do not change."""
-        return jnp.clip((obs - self.obs.mean) / self.obs.std(), -10.0, 10.0)
-
-    def step(self, obs: jax.Array, final_obs: jax.Array, rewards: jax.Array, done: jax.Array,
-             gamma: float) -> tuple[Normalizer, jax.Array, jax.Array, jax.Array]:
-        """Take in one step of `BatchedEnv.step`: the statistics updated, then `obs` and `final_obs` normalised and `rewards` scaled.
-
-        The statistics take in `obs`, the observations the agent goes on from (the first of a new
-        episode where one ended); `final_obs`, the last of an ended episode, only read for its
-        value, is normalised with them but not counted.
-        """
-        discounted_returns = gamma * self.discounted_returns + rewards
-        returns = self.returns.update(discounted_returns)
-        normalizer = Normalizer(self.obs.update(obs), returns, jnp.where(done, 0.0, discounted_returns))
-        rewards = jnp.clip(rewards / returns.std(), -10.0, 10.0)
-        return normalizer, normalizer.observe(obs), normalizer.observe(final_obs), rewards
 
 
 # ### The policy, written out
@@ -671,6 +570,109 @@ def explained_variance(predictions: jax.Array, targets: jax.Array, valid: jax.Ar
         return masked_mean((x - masked_mean(x, valid)) ** 2, valid)
 
     return jnp.where(variance(targets) == 0, jnp.nan, 1.0 - variance(targets - predictions) / variance(targets))
+
+
+# ### Normalised observations and scaled rewards, for continuous actions
+#
+# Continuous control is trained on what the environment gives, rescaled twice (details 6 to 9 of
+# the continuous-action list of Huang et al., 2022): each observation is standardised by the
+# running mean and variance of all observations seen so far, and each reward divided by the
+# running standard deviation of the discounted return, each result clipped to $\pm 10$. Pendulum's
+# angular velocity runs to 8 while its sine and cosine stay within 1; its rewards are $-16$ to 0,
+# its returns in the hundreds. Rescaled, the network's inputs and the value function's targets
+# are of order 1 whatever the task, and the same learning rate serves them all. PPO's reference code
+# for MuJoCo does this (baselines' `VecNormalize`), and so do CleanRL's `ppo_continuous_action.py`
+# (gym's `NormalizeObservation` and `NormalizeReward`, then a clip) and PureJaxRL's continuous PPO
+# (its `NormalizeVecObservation` and `NormalizeVecReward` wrappers, which do not clip).
+#
+# Which environments get it is decided by the action space: those with continuous actions (the
+# `Gaussian` policy), as in all three; CartPole and MinAtar, like baselines' and CleanRL's Atari
+# and PureJaxRL's discrete PPO, see their observations and rewards as they are.
+#
+# The statistics are part of the training state, a `Normalizer` in the `Runner`: each agent under
+# `vmap` keeps its own, a checkpoint saves them, and evaluation reads them without updating them
+# (the policy learned on observations scaled so, and only so).
+
+
+class RunningMoments(NamedTuple):
+    r"""The running mean and variance of every sample seen so far (over a batch's first axis), and their count.
+
+    A batch of $n_B$ samples with mean $\mu_B$ and variance $\sigma_B^2$ joins the $n$ seen before
+    by the parallel formula of Chan et al. (1979):
+
+    $$\delta = \mu_B - \mu, \qquad n' = n + n_B, \qquad \mu' = \mu + \delta \frac{n_B}{n'}, \qquad
+      \sigma'^2 = \frac{n \sigma^2 + n_B \sigma_B^2 + \delta^2 n n_B / n'}{n'}.$$
+
+    The statistics start at a mean of 0 and a variance of 1 worth $10^{-4}$ samples, as baselines'
+    `RunningMeanStd`, CleanRL's and PureJaxRL's do: the first batch all but replaces them, and
+    nothing is divided by 0.
+    """
+
+    mean: jax.Array
+    var: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def start(cls, shape: tuple[int, ...] = ()) -> RunningMoments:
+        return cls(jnp.zeros(shape), jnp.ones(shape), jnp.array(1e-4, jnp.float32))
+
+    def update(self, batch: jax.Array) -> RunningMoments:
+        batch_mean, batch_var, batch_count = batch.mean(axis=0), batch.var(axis=0), batch.shape[0]
+        delta = batch_mean - self.mean
+        count = self.count + batch_count
+        var = (self.var * self.count + batch_var * batch_count + delta**2 * self.count * batch_count / count) / count
+        return RunningMoments(self.mean + delta * batch_count / count, var, count)
+
+    def std(self) -> jax.Array:
+        r"""$\sqrt{\sigma^2 + 10^{-8}}$: the $10^{-8}$ of baselines, CleanRL and PureJaxRL, so that a constant input divides by no 0."""
+        return jnp.sqrt(self.var + 1e-8)
+
+
+class Normalizer(NamedTuple):
+    r"""What an agent on continuous actions sees: observations standardised, rewards scaled, both clipped to $\pm 10$.
+
+    At every step, each environment's discounted return so far is accumulated,
+    $R_t = r_t + \gamma R_{t-1}$, reset to 0 after the step that ends an episode (by termination
+    or by truncation: the next one starts from nothing), with the $\gamma$ of `Config`. The reward
+    the agent learns from is $\mathrm{clip}(r_t / \sigma_R, -10, 10)$, where $\sigma_R$ is the
+    running standard deviation of those $R_t$ (not centred: a shift would change which states are
+    worth ending). The observation it sees is $\mathrm{clip}((o_t - \mu_o) / \sigma_o, -10, 10)$,
+    with the running statistics of every observation so far, this step's included. This is
+    baselines' `VecNormalize` step for step. (PureJaxRL multiplies the return by $1 - \mathrm{done}$
+    of the step itself, so an episode's last reward starts the next episode's return rather than
+    ending its own.)
+    """
+
+    obs: RunningMoments
+    returns: RunningMoments
+    """Of the discounted returns $R_t$ of all environments (a scalar mean and variance)."""
+    discounted_returns: jax.Array
+    """`[num_envs]`: each environment's $R_t$, from the start of its episode."""
+
+    @classmethod
+    def start(cls, obs: jax.Array) -> tuple[Normalizer, jax.Array]:
+        """The statistics of the first observations (`[num_envs, ...]`, from `reset`), and those observations normalised."""
+        normalizer = cls(RunningMoments.start(obs.shape[1:]).update(obs), RunningMoments.start(),
+                         jnp.zeros(obs.shape[0]))
+        return normalizer, normalizer.observe(obs)
+
+    def observe(self, obs: jax.Array) -> jax.Array:
+        """`obs` standardised by the statistics as they are, and clipped; the statistics do not change."""
+        return jnp.clip((obs - self.obs.mean) / self.obs.std(), -10.0, 10.0)
+
+    def step(self, obs: jax.Array, final_obs: jax.Array, rewards: jax.Array, done: jax.Array,
+             gamma: float) -> tuple[Normalizer, jax.Array, jax.Array, jax.Array]:
+        """Take in one step of `BatchedEnv.step`: the statistics updated, then `obs` and `final_obs` normalised and `rewards` scaled.
+
+        The statistics take in `obs`, the observations the agent goes on from (the first of a new
+        episode where one ended); `final_obs`, the last of an ended episode, only read for its
+        value, is normalised with them but not counted.
+        """
+        discounted_returns = gamma * self.discounted_returns + rewards
+        returns = self.returns.update(discounted_returns)
+        normalizer = Normalizer(self.obs.update(obs), returns, jnp.where(done, 0.0, discounted_returns))
+        rewards = jnp.clip(rewards / returns.std(), -10.0, 10.0)
+        return normalizer, normalizer.observe(obs), normalizer.observe(final_obs), rewards
 
 
 # ### The update
