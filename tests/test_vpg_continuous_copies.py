@@ -55,7 +55,7 @@ def test_the_command_line_is_derived_the_same_way():
         undocumented: float = 1.0
 
     assert vpg.field_docs(Example) == ppo_atari.field_docs(Example) == {"steps": "How many steps, over two lines."}
-    shared = {f.name for f in dataclasses.fields(vpg.Config)} & {f.name for f in dataclasses.fields(ppo_atari.Config)}
+    shared = {f.name for f in dataclasses.fields(vpg.Config)} & {f.name for f in dataclasses.fields(ppo_atari.RunConfig)}
     assert {"env", "total_timesteps", "num_envs", "num_steps", "seed", "device", "run_dir", "checkpoint_every",
             "resume", "eval", "eval_episodes", "capture_video"} <= shared
     assert vpg.RUN_OPTIONS - {"eval_deterministic"} == ppo_atari.RUN_OPTIONS - {"precision"}
