@@ -98,8 +98,8 @@ from torch.distributions import Categorical
 # ### The hyperparameters
 #
 # One dataclass holds every setting of the agent and its training. The string under each field is
-# its documentation and its `--help` text: the command line (Part 3) is derived from it (`num_envs`
-# is `--num-envs`), together with Part 3's `RunConfig`, which adds the settings of one invocation.
+# its documentation and its `--help` text: the command line (Part 3) is derived from it and from
+# Part 3's `RunConfig`, which adds the settings of one invocation (`num_envs` is `--num-envs`).
 
 
 @dataclass

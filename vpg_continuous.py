@@ -124,8 +124,8 @@ import torch.nn as nn
 #
 # One dataclass holds every setting of the agent and its training. The string under each field is
 # its documentation and also its `--help` text: the command line (Part 3) is derived from this
-# class, together with Part 3's `RunConfig`, which adds the settings of one invocation, with
-# `num_envs` spelled `--num-envs`, and booleans as `--flag` / `--no-flag`.
+# class and from Part 3's `RunConfig`, which adds the settings of one invocation. `num_envs` is
+# spelled `--num-envs`, and booleans are `--flag` / `--no-flag`.
 
 
 @dataclass
