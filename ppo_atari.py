@@ -39,8 +39,9 @@ The page in order:
    the advantages (`compute_gae`, `normalize_advantages`); the clipped objective (`ppo_loss`); the
    rollout, the update and the loop of training (`Trainer`).
 2. **Sampling at speed**: `Workers`, many games in other processes, frames in shared memory.
-3. **Running it for real**: the command line, the hardware choices (`TunedTrainer`), checkpoints,
-   logging and progress, signals (`StopRequest`), the run (`train`), evaluation and video, `main()`.
+3. **Running it for real**: the command line (`RunConfig`: `Config` and the settings of one
+   invocation), the hardware choices (`TunedTrainer`), checkpoints, logging and progress, signals
+   (`StopRequest`), the run (`train`), evaluation and video, `main()`.
 4. **More than one device**: data-parallel training under torchrun (`DataParallelTrainer`, `Ranks`).
 
 Licence: MIT (see LICENSE in the repository this file comes from); copy it freely, keeping this line.
@@ -96,13 +97,14 @@ from torch.distributions import Categorical
 #
 # ### The hyperparameters
 #
-# One dataclass holds every setting of a run. The string under each field is its documentation and
-# its `--help` text: the command line (Part 3) is derived from it (`num_envs` is `--num-envs`).
+# One dataclass holds every setting of the agent and its training. The string under each field is
+# its documentation and its `--help` text: the command line (Part 3) is derived from it and from
+# Part 3's `RunConfig`, which adds the settings of one invocation (`num_envs` is `--num-envs`).
 
 
 @dataclass
 class Config:
-    r"""Every setting of a run, and where each default of the algorithm comes from.
+    r"""Every setting of the agent and its training, and where each default of the algorithm comes from.
 
     | setting | ours | PPO paper, Atari (Table 5) | CleanRL `ppo_atari.py` | why ours |
     |-|-|-|-|-|
@@ -124,7 +126,7 @@ class Config:
     and CleanRL's; the paper gives none). The Atari protocol (`sticky_actions` to
     `max_episode_frames`) is the DQN preprocessing that CleanRL and baselines also use; `Game`
     explains each piece. The settings of one invocation rather than of the agent (workers, device,
-    run directory, checkpoints, evaluation) have no row.
+    run directory, checkpoints, evaluation) are not here: they live in `RunConfig`, in Part 3.
     """
 
     env: str = "Breakout"
@@ -136,8 +138,6 @@ class Config:
     """Games played at once."""
     num_steps: int = 128
     """Steps each game plays per update; a batch is `num_envs * num_steps` transitions."""
-    num_workers: int = 0
-    """Processes that play the games (0: one per CPU core, at most one per game)."""
     learning_rate: float = 2.5e-4
     """Adam's learning rate at the start, annealed linearly: 1/N of it at the last of N updates."""
     clip_range: float = 0.1
@@ -171,32 +171,6 @@ class Config:
     """Frames after which a game is cut (a truncation): 30 minutes of play at 60 frames a second."""
     seed: int = 1
     """Seeds torch, numpy and every game (each game gets its own seed derived from this)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the network runs (`auto`: CUDA when there is one)."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """Arithmetic of the convolutional torso (`auto`: bfloat16 on a CPU with AMX, float32 with TF32 on CUDA)."""
-    start_method: Literal["default", "fork", "spawn", "forkserver"] = "default"
-    """How worker processes are started (`default`: the platform's own)."""
-    run_dir: str | None = None
-    """Where TensorBoard events and checkpoints go (default: runs/<env>__<seed>__<time>)."""
-    checkpoint_every: int = 100
-    """Write checkpoint.pt every this many updates (and always at the end and on Ctrl-C)."""
-    resume: str | None = None
-    """Continue training from this checkpoint with its settings; flags given override them (a larger
-    `--total-timesteps` extends the run, and the annealing stretches over the new length)."""
-    eval: str | None = None
-    """Play `eval_episodes` whole games with the policy in this checkpoint and print the score."""
-    eval_episodes: int = 10
-    """Games to play with `--eval`."""
-    capture_video: bool = False
-    """With `--eval`, write each game to an mp4 in <run dir>/videos."""
-    track: bool = False
-    """Send the run to Weights & Biases, as CleanRL does: its TensorBoard scalars, and the videos of
-    `--eval --capture-video` (needs `pip install wandb`)."""
-    wandb_project_name: str = "policy-gradients"
-    """The Weights & Biases project that `--track` sends the run to."""
-    wandb_entity: str | None = None
-    """The Weights & Biases team or user that `--track` sends the run to (default: your own)."""
 
     @property
     def batch_size(self) -> int:
@@ -1030,33 +1004,72 @@ class Workers:
 
 # ### The command line
 #
-# Every flag is a field of `Config`, with its documentation as the help text. A mistake in what
-# the user asked for is one line on stderr and exit status 2, before any process starts.
+# The command line sets the fields of Part 1's `Config` and those of one invocation: how many
+# processes play the games and how they start, where the network runs and in what precision, where
+# the run's files go, how often it writes a checkpoint, which checkpoint to resume or evaluate, and
+# where the run is tracked. `RunConfig` adds the second kind to the first; every flag is one of its
+# fields, with its documentation as the help text. A resumed run takes its hyperparameters from the
+# checkpoint, but the settings of its invocation from the command line (or their defaults). A
+# mistake in what the user asked for is one line on stderr and exit status 2, before any process
+# starts.
+
+
+@dataclass
+class RunConfig(Config):
+    """The settings of one invocation, added to those of the agent and its training (`Config`)."""
+
+    num_workers: int = 0
+    """Processes that play the games (0: one per CPU core, at most one per game)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the network runs (`auto`: CUDA when there is one)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Arithmetic of the convolutional torso (`auto`: bfloat16 on a CPU with AMX, float32 with TF32 on CUDA)."""
+    start_method: Literal["default", "fork", "spawn", "forkserver"] = "default"
+    """How worker processes are started (`default`: the platform's own)."""
+    run_dir: str | None = None
+    """Where TensorBoard events and checkpoints go (default: runs/<env>__<seed>__<time>)."""
+    checkpoint_every: int = 100
+    """Write checkpoint.pt every this many updates (and always at the end and on Ctrl-C)."""
+    resume: str | None = None
+    """Continue training from this checkpoint with its settings; flags given override them (a larger
+    `--total-timesteps` extends the run, and the annealing stretches over the new length)."""
+    eval: str | None = None
+    """Play `eval_episodes` whole games with the policy in this checkpoint and print the score."""
+    eval_episodes: int = 10
+    """Games to play with `--eval`."""
+    capture_video: bool = False
+    """With `--eval`, write each game to an mp4 in <run dir>/videos."""
+    track: bool = False
+    """Send the run to Weights & Biases, as CleanRL does: its TensorBoard scalars, and the videos of
+    `--eval --capture-video` (needs `pip install wandb`)."""
+    wandb_project_name: str = "policy-gradients"
+    """The Weights & Biases project that `--track` sends the run to."""
+    wandb_entity: str | None = None
+    """The Weights & Biases team or user that `--track` sends the run to (default: your own)."""
+
+
+RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.name for field in dataclasses.fields(Config)}
 
 
 class ConfigError(Exception):
     """A mistake in what the user asked for: reported in one line, exit status 2."""
 
 
-# The settings of one invocation rather than of the agent: a resumed run takes its hyperparameters
-# from the checkpoint, but these from the command line (or their defaults).
-RUN_OPTIONS = {"num_workers", "device", "precision", "start_method", "run_dir", "resume", "eval",
-               "eval_episodes", "capture_video", "checkpoint_every",
-               "track", "wandb_project_name", "wandb_entity"}
-
-
 def field_docs(cls: type) -> dict[str, str]:
-    """The string literal under each field of a dataclass, read from its source."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    body = ast.parse(source).body[0].body
+    """The string literal under each field of a dataclass and of the dataclasses it extends, read from their source."""
     docs = {}
-    for node, following in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
-                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
-            docs[node.target.id] = " ".join(following.value.value.split())
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body[0].body
+        for node, following in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
+                    and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
+                docs[node.target.id] = " ".join(following.value.value.split())
     return docs
 
 
@@ -1082,7 +1095,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line, one flag per field of `Config`.
+    """The command line, one flag per field of `RunConfig` (and so of `Config`).
 
     Flags the user did not type are absent from the parsed namespace (`argparse.SUPPRESS`), so a
     resumed run can tell an explicit `--total-timesteps` from the default.
@@ -1090,9 +1103,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog=Path(sys.argv[0]).name if sys.argv[0] else "ppo_atari.py",
                            description="PPO on Atari, annotated. See the module docstring.",
                            argument_default=argparse.SUPPRESS)
-    docs = field_docs(Config)
-    hints = typing.get_type_hints(Config)
-    for field in dataclasses.fields(Config):
+    docs = field_docs(RunConfig)
+    hints = typing.get_type_hints(RunConfig)
+    for field in dataclasses.fields(RunConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = hints[field.name]
         help_text = f"{docs.get(field.name, '')} (default: {field.default})"
@@ -1109,11 +1122,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_config(config: Config) -> None:
+def check_config(config: RunConfig) -> None:
     """Refuse settings that cannot work, before any process starts."""
     # Every number first: a NaN passes every comparison below unnoticed, and an inf fails only at
     # the first update.
-    for field in dataclasses.fields(Config):
+    for field in dataclasses.fields(RunConfig):
         value = getattr(config, field.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"--{field.name.replace('_', '-')} must be a finite number, not {value}")
@@ -1171,7 +1184,7 @@ def resolve_env_id(name: str) -> str:
     raise ConfigError(f"unknown Atari game {name!r}{hint}")
 
 
-def parse_config(argv: list[str] | None) -> tuple[Config, dict | None]:
+def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None]:
     """The configuration of this invocation and the checkpoint it names, if any.
 
     A resumed or evaluated run starts from the checkpoint's hyperparameters; flags given on the
@@ -1183,9 +1196,9 @@ def parse_config(argv: list[str] | None) -> tuple[Config, dict | None]:
     path = given.get("resume") or given.get("eval")
     if path is not None and not (given.get("resume") and given.get("eval")):
         checkpoint = load_checkpoint(path)
-        fields = {f.name for f in dataclasses.fields(Config)}
+        fields = {f.name for f in dataclasses.fields(RunConfig)}
         base = {k: v for k, v in checkpoint["config"].items() if k in fields and k not in RUN_OPTIONS}
-    config = Config(**{**base, **given})
+    config = RunConfig(**{**base, **given})
     check_config(config)
     if config.resume is not None:
         saved = checkpoint["config"]
@@ -1269,7 +1282,7 @@ class TunedTrainer(Trainer):
     * On a CPU, the network samples on one thread (see `collect_rollout`).
     """
 
-    def __init__(self, config: Config, envs, device: torch.device):
+    def __init__(self, config: RunConfig, envs, device: torch.device):
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -1672,7 +1685,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(config: Config, env_id: str, checkpoint: dict | None = None) -> int:
+def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int:
     """Train, log and checkpoint; the exit status of the run."""
     ranks = Ranks.from_environment()
     if checkpoint is not None:
@@ -1720,7 +1733,7 @@ def train(config: Config, env_id: str, checkpoint: dict | None = None) -> int:
             return abort.status
 
 
-def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Workers, device: torch.device,
+def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: Workers, device: torch.device,
                ranks: Ranks, run_dir: Path, num_workers: int, stop: StopRequest) -> int:
     """The run of `train`, once the games and the device are ready."""
     from torch.utils.tensorboard import SummaryWriter
@@ -1909,7 +1922,7 @@ class Video:
             self.file = None
 
 
-def evaluate(config: Config, env_id: str, checkpoint: dict) -> list[float]:
+def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
     """Play `eval_episodes` games with the checkpoint's policy; their scores."""
     device = choose_device(config.device)
     seeds = game_seeds(config.seed + 1_000_003, config.eval_episodes)  # games unlike the training ones

@@ -64,9 +64,9 @@ The page in order:
    (`vpg_loss`); what the learner sees (`RunningMeanStd`, `ObservationNormalizer`,
    `RewardScaler`); the rollout, the update and the loop of training (`Trainer`).
 2. **Sampling at speed**: `Workers`, many envs in other processes, observations in shared memory.
-3. **Running it for real**: the command line and its validation, the hardware choices,
-   checkpoints, logging and progress, signals (`StopRequest`), the run (`train`), evaluation and
-   video, and `main()`.
+3. **Running it for real**: the command line (`RunConfig`: `Config` and the settings of one
+   invocation) and its validation, the hardware choices, checkpoints, logging and progress, signals
+   (`StopRequest`), the run (`train`), evaluation and video, and `main()`.
 4. **More than one device** (optional): data-parallel training under torchrun
    (`DataParallelTrainer`, `Ranks`).
 
@@ -122,14 +122,15 @@ import torch.nn as nn
 
 # ### The hyperparameters
 #
-# One dataclass holds every setting of a run. The string under each field is its documentation and
-# also its `--help` text: the command line (Part 3) is derived from this class, with `num_envs`
-# spelled `--num-envs`, and booleans as `--flag` / `--no-flag`.
+# One dataclass holds every setting of the agent and its training. The string under each field is
+# its documentation and also its `--help` text: the command line (Part 3) is derived from this
+# class and from Part 3's `RunConfig`, which adds the settings of one invocation. `num_envs` is
+# spelled `--num-envs`, and booleans are `--flag` / `--no-flag`.
 
 
 @dataclass
 class Config:
-    r"""Every setting of a run, and where each default of the algorithm comes from.
+    r"""Every setting of the agent and its training, and where each default of the algorithm comes from.
 
     | setting | ours | Spinning Up's VPG | PPO paper, MuJoCo (Table 3) | CleanRL `ppo_continuous_action` | why ours |
     |-|-|-|-|-|-|
@@ -151,7 +152,7 @@ class Config:
     128-unit tanh layers (Spinning Up, the paper and CleanRL use 64 units), orthogonal
     initialisation, and Adam's $\epsilon = 10^{-5}$ (CleanRL's; Spinning Up keeps torch's $10^{-8}$).
     The settings of one invocation rather than of the agent (workers, device, run directory,
-    checkpoints, evaluation) have no row.
+    checkpoints, evaluation) are not here: they live in `RunConfig`, in Part 3.
     """
 
     env: str = "HalfCheetah-v5"
@@ -164,8 +165,6 @@ class Config:
     """Environments played at once by each learning process."""
     num_steps: int = 32
     """Steps each env plays per update; a batch is `num_envs * num_steps` transitions."""
-    num_workers: int = 0
-    """Processes that step the envs (0: one per CPU core, at most one per env)."""
     learning_rate: float = 1e-3
     """Adam's learning rate for the policy at the start, annealed linearly: 1/N of it at the last of N updates."""
     value_learning_rate: float = 1e-3
@@ -192,32 +191,6 @@ class Config:
     """Divide rewards by the running standard deviation of the discounted return, then clip them to +-10."""
     seed: int = 1
     """Seeds torch and every env (each env gets its own seed derived from this)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the networks run (`auto`: the CPU, which is faster for these small networks; see `choose_device`)."""
-    start_method: Literal["default", "fork", "spawn", "forkserver"] = "default"
-    """How worker processes are started (`default`: the platform's own)."""
-    run_dir: str | None = None
-    """Where TensorBoard events and checkpoints go (default: runs/<env>__<seed>__<time>)."""
-    checkpoint_every: int = 100
-    """Write checkpoint.pt every this many updates, and when the run ends or is interrupted."""
-    resume: str | None = None
-    """Continue training from this checkpoint with its settings; flags given override them (a larger
-    `--total-timesteps` extends the run, and the annealing stretches over the new length)."""
-    eval: str | None = None
-    """Play `eval_episodes` whole episodes with the policy in this checkpoint and print their return."""
-    eval_episodes: int = 10
-    """Episodes to play with `--eval`."""
-    eval_deterministic: bool = False
-    """With `--eval`, act with the policy's mean action instead of sampling as in training."""
-    capture_video: bool = False
-    """With `--eval`, write each episode to an mp4 in <run dir>/videos."""
-    track: bool = False
-    """Send the run to Weights & Biases, as CleanRL does: its TensorBoard scalars, and the videos of
-    `--eval --capture-video` (needs `pip install wandb`)."""
-    wandb_project_name: str = "policy-gradients"
-    """The Weights & Biases project that `--track` sends the run to."""
-    wandb_entity: str | None = None
-    """The Weights & Biases team or user that `--track` sends the run to (default: your own)."""
 
     @property
     def batch_size(self) -> int:
@@ -1204,29 +1177,67 @@ class Workers:
 
 # ### The command line
 #
-# Derived from `Config`: one flag per field, its help text the field's documentation, and every
-# setting checked before any process starts.
+# The command line sets the fields of Part 1's `Config` and those of one invocation: how many
+# processes step the envs and how they start, where the networks run, where the run's files go,
+# how often it writes a checkpoint, which checkpoint to resume or evaluate and how, and where the
+# run is tracked. `RunConfig` adds the second kind to the first; every flag is one of its fields,
+# with its documentation as the help text, and every setting is checked before any process starts.
+# A resumed run takes its hyperparameters from the checkpoint, but the settings of its invocation
+# from the command line (or their defaults).
 
 
-# The settings of one invocation rather than of the agent: a resumed run takes its hyperparameters
-# from the checkpoint, but these from the command line (or their defaults).
-RUN_OPTIONS = {"num_workers", "device", "start_method", "run_dir", "resume", "eval", "eval_episodes",
-               "eval_deterministic", "capture_video", "checkpoint_every",
-               "track", "wandb_project_name", "wandb_entity"}
+@dataclass
+class RunConfig(Config):
+    """The settings of one invocation, added to those of the agent and its training (`Config`)."""
+
+    num_workers: int = 0
+    """Processes that step the envs (0: one per CPU core, at most one per env)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the networks run (`auto`: the CPU, which is faster for these small networks; see `choose_device`)."""
+    start_method: Literal["default", "fork", "spawn", "forkserver"] = "default"
+    """How worker processes are started (`default`: the platform's own)."""
+    run_dir: str | None = None
+    """Where TensorBoard events and checkpoints go (default: runs/<env>__<seed>__<time>)."""
+    checkpoint_every: int = 100
+    """Write checkpoint.pt every this many updates, and when the run ends or is interrupted."""
+    resume: str | None = None
+    """Continue training from this checkpoint with its settings; flags given override them (a larger
+    `--total-timesteps` extends the run, and the annealing stretches over the new length)."""
+    eval: str | None = None
+    """Play `eval_episodes` whole episodes with the policy in this checkpoint and print their return."""
+    eval_episodes: int = 10
+    """Episodes to play with `--eval`."""
+    eval_deterministic: bool = False
+    """With `--eval`, act with the policy's mean action instead of sampling as in training."""
+    capture_video: bool = False
+    """With `--eval`, write each episode to an mp4 in <run dir>/videos."""
+    track: bool = False
+    """Send the run to Weights & Biases, as CleanRL does: its TensorBoard scalars, and the videos of
+    `--eval --capture-video` (needs `pip install wandb`)."""
+    wandb_project_name: str = "policy-gradients"
+    """The Weights & Biases project that `--track` sends the run to."""
+    wandb_entity: str | None = None
+    """The Weights & Biases team or user that `--track` sends the run to (default: your own)."""
+
+
+RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.name for field in dataclasses.fields(Config)}
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The string literal under each field of a dataclass, read from its source."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    body = ast.parse(source).body[0].body
+    """The string literal under each field of a dataclass and of the dataclasses it extends, read from their source."""
     docs = {}
-    for node, following in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
-                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
-            docs[node.target.id] = " ".join(following.value.value.split())
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body[0].body
+        for node, following in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
+                    and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
+                docs[node.target.id] = " ".join(following.value.value.split())
     return docs
 
 
@@ -1252,12 +1263,12 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def flag(name: str) -> str:
-    """The command-line flag of a `Config` field: `num_envs` is `--num-envs`."""
+    """The command-line flag of a `RunConfig` field: `num_envs` is `--num-envs`."""
     return "--" + name.replace("_", "-")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line, one flag per field of `Config`.
+    """The command line, one flag per field of `RunConfig` (and so of `Config`).
 
     Flags the user did not type are absent from the parsed namespace (`argparse.SUPPRESS`), so a
     resumed run can tell an explicit `--total-timesteps` from the default.
@@ -1266,9 +1277,9 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Vanilla policy gradient for continuous control, annotated. "
                                        "See the module docstring.",
                            argument_default=argparse.SUPPRESS)
-    docs = field_docs(Config)
-    hints = typing.get_type_hints(Config)
-    for field in dataclasses.fields(Config):
+    docs = field_docs(RunConfig)
+    hints = typing.get_type_hints(RunConfig)
+    for field in dataclasses.fields(RunConfig):
         name = flag(field.name)
         kind = hints[field.name]
         help_text = f"{docs.get(field.name, '')} (default: {field.default})".replace("%", "%%")
@@ -1285,11 +1296,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_config(config: Config) -> None:
+def check_config(config: RunConfig) -> None:
     """Refuse settings that cannot work, before any process starts."""
     # Every number first: a NaN passes every comparison below unnoticed, and an inf fails only at
     # the first update.
-    for field in dataclasses.fields(Config):
+    for field in dataclasses.fields(RunConfig):
         value = getattr(config, field.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{flag(field.name)} must be a finite number, not {value}")
@@ -1345,7 +1356,7 @@ def resolve_env_id(name: str) -> str:
     raise ConfigError(f"unknown environment {name!r}{hint}")
 
 
-def parse_config(argv: list[str] | None) -> tuple[Config, dict | None]:
+def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None]:
     """The configuration of this invocation and the checkpoint it names, if any.
 
     A resumed or evaluated run starts from the checkpoint's hyperparameters; flags given on the
@@ -1357,9 +1368,9 @@ def parse_config(argv: list[str] | None) -> tuple[Config, dict | None]:
     path = given.get("resume") or given.get("eval")
     if path is not None and not (given.get("resume") and given.get("eval")):
         checkpoint = load_checkpoint(path)
-        fields = {f.name for f in dataclasses.fields(Config)}
+        fields = {f.name for f in dataclasses.fields(RunConfig)}
         base = {k: v for k, v in checkpoint["config"].items() if k in fields and k not in RUN_OPTIONS}
-    config = Config(**{**base, **given})
+    config = RunConfig(**{**base, **given})
     check_config(config)
     if config.resume is not None:
         saved = checkpoint["config"]
@@ -1768,7 +1779,7 @@ def ignore_interrupts() -> None:
 # written, closing is not interrupted. (`ppo_jax.py` decides alike, with the same `StopRequest`.)
 
 
-def train(config: Config, env_id: str, spaces: EnvSpaces, checkpoint: dict | None = None) -> int:
+def train(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict | None = None) -> int:
     """Train, log and checkpoint; the exit status of the run."""
     ranks = Ranks.from_environment()
     if checkpoint is not None:
@@ -1821,7 +1832,7 @@ def train(config: Config, env_id: str, spaces: EnvSpaces, checkpoint: dict | Non
             return abort.status
 
 
-def train_with(config: Config, env_id: str, checkpoint: dict | None, envs: Workers, device: torch.device,
+def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: Workers, device: torch.device,
                ranks: Ranks, run_dir: Path, num_workers: int, stop: StopRequest) -> int:
     """The run of `train`, once the envs and the device are ready."""
     from torch.utils.tensorboard import SummaryWriter
@@ -2056,7 +2067,7 @@ class Video:
             self.file = None
 
 
-def evaluate(config: Config, env_id: str, spaces: EnvSpaces, checkpoint: dict) -> list[float]:
+def evaluate(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict) -> list[float]:
     """Play `eval_episodes` episodes with the checkpoint's policy; their returns."""
     device = choose_device(config.device)
     policy = make_networks(spaces, config)[0].to(device)

@@ -1,5 +1,6 @@
 """ppo_atari.py through its command line, as a user runs it."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -104,6 +105,40 @@ def test_a_checkpoint_without_recent_scores_still_resumes(trained, tmp_path):
     assert "resumed at step 4,096 (update 4)" in result.stderr
     new_scores = [score for _, score in scalars(tmp_path / "resumed").get("charts/episodic_return", [])]
     assert torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)["recent_scores"] == new_scores[-20:]
+
+
+# The settings of one invocation, with the defaults they had when they were fields of `Config`.
+INVOCATION_DEFAULTS = dict(num_workers=0, device="auto", precision="auto", start_method="default", run_dir=None,
+                           checkpoint_every=100, resume=None, eval=None, eval_episodes=10, capture_video=False,
+                           track=False, wandb_project_name="policy-gradients", wandb_entity=None)
+
+
+def test_config_holds_the_agent_and_run_config_adds_the_invocation():
+    agent = {field.name for field in dataclasses.fields(ppo_atari.Config)}
+    assert not agent & INVOCATION_DEFAULTS.keys()
+    assert issubclass(ppo_atari.RunConfig, ppo_atari.Config)
+    added = {field.name: field.default for field in dataclasses.fields(ppo_atari.RunConfig) if field.name not in agent}
+    assert added == INVOCATION_DEFAULTS and ppo_atari.RUN_OPTIONS == INVOCATION_DEFAULTS.keys()
+    # Every field of both is a flag, with its documentation as the help text.
+    helps = {action.dest: action.help for action in ppo_atari.build_parser()._actions}
+    docs = ppo_atari.field_docs(ppo_atari.RunConfig)
+    for field in dataclasses.fields(ppo_atari.RunConfig):
+        assert docs[field.name] and helps[field.name].startswith(docs[field.name]), field.name
+
+
+def test_a_checkpoint_resumes_with_its_hyperparameters_and_this_invocations_settings(trained, tmp_path):
+    # A checkpoint holds every field in one dict, as when `Config` held them all; the settings of
+    # the invocation that wrote it stay with that invocation.
+    checkpoint = torch.load(trained[0] / "checkpoint.pt", weights_only=True)
+    checkpoint["config"].update(learning_rate=1e-3, num_workers=3, device="cpu", precision="bf16", start_method="spawn",
+                                run_dir=str(tmp_path / "elsewhere"), checkpoint_every=7, eval="other.pt",
+                                eval_episodes=3, capture_video=True, track=True, wandb_project_name="other",
+                                wandb_entity="someone")
+    torch.save(checkpoint, tmp_path / "old.pt")
+    config, _ = ppo_atari.parse_config(["--resume", str(tmp_path / "old.pt"), "--checkpoint-every", "5"])
+    assert config.learning_rate == 1e-3 and config.seed == 3 and config.total_timesteps == 4096
+    this_invocation = {**INVOCATION_DEFAULTS, "resume": str(tmp_path / "old.pt"), "checkpoint_every": 5}
+    assert {name: getattr(config, name) for name in INVOCATION_DEFAULTS} == this_invocation
 
 
 def test_eval_plays_whole_games_and_writes_videos(trained, tmp_path):

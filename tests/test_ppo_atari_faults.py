@@ -194,16 +194,17 @@ def test_eval_of_non_finite_weights_is_one_line(tmp_path, capsys):
 
 
 def numeric_fields() -> list[tuple[str, type]]:
-    hints = typing.get_type_hints(ppo_atari.Config)
+    hints = typing.get_type_hints(ppo_atari.RunConfig)
     fields = []
-    for field in dataclasses.fields(ppo_atari.Config):
+    for field in dataclasses.fields(ppo_atari.RunConfig):
         kinds = set(typing.get_args(hints[field.name])) - {type(None)} or {hints[field.name]}
         fields += [(field.name, kind) for kind in kinds if kind in (int, float)]
     return fields
 
 
 def test_every_numeric_field_is_covered():
-    assert {name for name, _ in numeric_fields()} >= {"seed", "ent_coef", "vf_coef", "learning_rate", "target_kl"}
+    assert {name for name, _ in numeric_fields()} >= {"seed", "ent_coef", "vf_coef", "learning_rate", "target_kl",
+                                                      "num_workers", "checkpoint_every", "eval_episodes"}
 
 
 @pytest.mark.parametrize("name, kind", numeric_fields())

@@ -54,7 +54,7 @@ def train_on_task(advantage_sign: float, monkeypatch) -> float:
 
         monkeypatch.setattr(ppo_atari, "compute_gae", flipped)
     torch.manual_seed(0)
-    config = ppo_atari.Config(num_envs=8, num_steps=32, total_timesteps=4096, learning_rate=2.5e-4)
+    config = ppo_atari.RunConfig(num_envs=8, num_steps=32, total_timesteps=4096, learning_rate=2.5e-4)
     envs = ShowsWhichActionPays(config.num_envs, n_actions=4, seed=0)
     trainer = ppo_atari.TunedTrainer(config, envs, torch.device("cpu"))  # as a run trains, bfloat16 where it is fast
     trainer.train()

@@ -212,7 +212,7 @@ def test_target_kl_is_checked_after_each_epoch_as_cleanrl_does():
 def test_the_tuned_trainer_takes_the_update_of_part_one():
     # Part 3's hardware choices (frames stored channels-last, the network tuned, one thread while
     # sampling) leave the algorithm as it is: from the same start, the same rollout and update.
-    config = small_config(precision="fp32")
+    config = ppo_atari.RunConfig(**vars(small_config()), precision="fp32")
     trainers = []
     for kind in (ppo_atari.Trainer, ppo_atari.TunedTrainer):
         torch.manual_seed(0)

@@ -54,8 +54,16 @@ def test_the_command_line_is_derived_the_same_way():
         name: str = "x"
         undocumented: float = 1.0
 
+    @dataclasses.dataclass
+    class Extended(Example):
+        more: bool = False
+        """A field of the subclass."""
+
     assert vpg.field_docs(Example) == ppo_atari.field_docs(Example) == {"steps": "How many steps, over two lines."}
-    shared = {f.name for f in dataclasses.fields(vpg.Config)} & {f.name for f in dataclasses.fields(ppo_atari.Config)}
+    # A subclass's fields are documented beside those it inherits, as `RunConfig`'s beside `Config`'s.
+    assert vpg.field_docs(Extended) == ppo_atari.field_docs(Extended) == {"steps": "How many steps, over two lines.",
+                                                                          "more": "A field of the subclass."}
+    shared = {f.name for f in dataclasses.fields(vpg.RunConfig)} & {f.name for f in dataclasses.fields(ppo_atari.RunConfig)}
     assert {"env", "total_timesteps", "num_envs", "num_steps", "seed", "device", "run_dir", "checkpoint_every",
             "resume", "eval", "eval_episodes", "capture_video"} <= shared
     assert vpg.RUN_OPTIONS - {"eval_deterministic"} == ppo_atari.RUN_OPTIONS - {"precision"}

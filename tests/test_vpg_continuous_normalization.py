@@ -164,7 +164,7 @@ def test_evaluation_uses_the_saved_statistics_frozen(variance, monkeypatch):
         return real_forward(self, obs)
 
     monkeypatch.setattr(vpg.GaussianPolicy, "forward", recording_forward)
-    eval_config = vpg.Config(env="Pendulum-v1", eval="checkpoint.pt", eval_episodes=3, max_episode_steps=25)
+    eval_config = vpg.RunConfig(env="Pendulum-v1", eval="checkpoint.pt", eval_episodes=3, max_episode_steps=25)
     returns = vpg.evaluate(eval_config, "Pendulum-v1", vpg.describe_env("Pendulum-v1"), checkpoint)
     assert len(returns) == 3 and all(r < 0 for r in returns)  # Pendulum's rewards are costs
     seen = torch.cat(inputs)

@@ -2,8 +2,9 @@
 
 A fork that penalises the distance from the policy that sampled the batch (a KL penalty) adds a
 `kl_coef` field to `Config` and a term to `vpg_loss`. Here a subclass of `Config` and a wrapped
-`vpg_loss`, put in the module's place, stand for those two edits; the trainer, the command line,
-the logs and the checkpoints must take them with no other change.
+`vpg_loss`, put in the module's place, stand for those two edits (and, for the command line,
+`RunConfig` on that subclass, as the script's `class RunConfig(Config)` is once `Config` has the
+field); the trainer, the command line, the logs and the checkpoints must take them with no other change.
 """
 
 import dataclasses
@@ -22,6 +23,11 @@ ORIGINAL_LOSS = vpg.vpg_loss
 class KLConfig(vpg.Config):
     kl_coef: float = 0.0
     """Weight of the penalty on the KL divergence from the policy that sampled the batch."""
+
+
+@dataclasses.dataclass
+class KLRunConfig(vpg.RunConfig, KLConfig):
+    """`RunConfig` on the fork's `Config`: its fields, then the invocation's."""
 
 
 def kl_penalized_loss(log_probs, old_log_probs, advantages, values, returns, entropy, config) -> vpg.LossTerms:
@@ -57,6 +63,7 @@ def test_a_kl_penalty_is_applied_and_reported(monkeypatch):
 def test_the_new_setting_and_term_reach_the_command_line_logs_and_checkpoint(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(vpg, "vpg_loss", kl_penalized_loss)
     monkeypatch.setattr(vpg, "Config", KLConfig)
+    monkeypatch.setattr(vpg, "RunConfig", KLRunConfig)
     status = vpg.main(["--env", "Pendulum-v1", "--total-timesteps", "256", "--num-envs", "2", "--num-steps", "64",
                        "--num-workers", "1", "--value-epochs", "1", "--num-minibatches", "1", "--kl-coef", "0.5",
                        "--run-dir", str(tmp_path)])

@@ -201,8 +201,8 @@ def test_evaluation_samples_or_takes_the_mean_action(deterministic, monkeypatch)
         return real_step(self, action)
 
     monkeypatch.setattr(vpg.Task, "step", recording_step)
-    config = vpg.Config(env="Pendulum-v1", eval="checkpoint.pt", eval_episodes=2, max_episode_steps=50,
-                        eval_deterministic=deterministic)
+    config = vpg.RunConfig(env="Pendulum-v1", eval="checkpoint.pt", eval_episodes=2, max_episode_steps=50,
+                           eval_deterministic=deterministic)
     vpg.evaluate(config, "Pendulum-v1", vpg.describe_env("Pendulum-v1"), checkpoint)
     assert len(sent) == 100 and all(-2.0 <= a <= 2.0 for a in sent)  # clipped to the bounds
     if deterministic:
