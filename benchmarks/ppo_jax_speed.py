@@ -117,7 +117,7 @@ def measure_atari(script: str, iterations: int, warmup: int) -> dict:
     import ppo_atari as module
 
     env_id = module.resolve_env_id("Breakout")
-    config = module.Config(env=env_id, num_envs=8)
+    config = module.RunConfig(env=env_id, num_envs=8)
     num_workers = min(config.num_envs, len(os.sched_getaffinity(0)))
     with module.Workers(env_id, config.num_envs, num_workers, 1, module.game_options(config)) as envs:
         torch.manual_seed(1)

@@ -100,7 +100,7 @@ def train_throughput(env_id: str, num_envs: int, num_workers: int, device: torch
     each iteration split into its phases. The phases are timed from outside, as a run times them:
     stepping the games (the workers' `step`), sampling (`collect_rollout`, of which the rest is
     inference and storing the rollout) and the update (`update_policy`)."""
-    config = ppo_atari.Config(env=env_id, num_envs=num_envs, precision=precision)
+    config = ppo_atari.RunConfig(env=env_id, num_envs=num_envs, precision=precision)
     torch.manual_seed(1)
     timings = {"env": 0.0, "sampling": 0.0, "update": 0.0}
     with ppo_atari.Workers(env_id, num_envs, num_workers, seed=1,
