@@ -1441,20 +1441,45 @@ def save_checkpoint(state: dict, path: Path) -> None:
     """Write `state` to `path` atomically: to a temporary file first, then renamed over it.
 
     The temporary file is this process's own (its name holds the pid), and it is removed if the
-    write fails, so that a full disk is not left fuller.
+    write fails, so that a full disk is not left fuller. A Ctrl-C or SIGTERM that arrives during the
+    write takes effect once the checkpoint is whole (`signals_held`).
     """
     temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with signals_held():
+        try:
+            with open(temporary, "wb") as file:
+                torch.save(state, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+
+
+@contextlib.contextmanager
+def signals_held():
+    """Hold Ctrl-C and SIGTERM back until the block is done, then deliver them as they came.
+
+    Python runs a signal's handler between two bytecodes of the main thread, wherever it is. An
+    exception raised there from inside `torch.save` leaves its C++ writer half-closed, and closing
+    it can then end the process outright (`terminate called ... c10::Error`), with no message,
+    no cleanup and the temporary file left behind. Held back, the signal arrives a moment later,
+    and the run's `StopRequest` decides what it means as it always does.
+    """
+    if threading.current_thread() is not threading.main_thread():  # only the main thread handles signals
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with open(temporary, "wb") as file:
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException as error:
-        temporary.unlink(missing_ok=True)
-        if isinstance(error.__context__, KeyboardInterrupt):  # torch.save, cut short, raises its own error
-            raise error.__context__ from None
-        raise
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for signum in held:
+            signal.raise_signal(signum)
 
 
 def last_checkpoint(*paths: Path | str | None) -> Path | None:

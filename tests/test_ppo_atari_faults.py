@@ -63,6 +63,24 @@ def press_ctrl_c_twice() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
+def test_a_ctrl_c_during_the_write_of_a_checkpoint_waits_until_the_checkpoint_is_whole(tmp_path, monkeypatch):
+    # Raised inside torch.save, the interrupt used to leave its C++ writer half-closed: now and then
+    # the process died in `terminate called ... c10::Error`, with the temporary file left behind.
+    real_save = torch.save
+
+    def save(obj, file):
+        os.kill(os.getpid(), signal.SIGINT)  # its handler would run at the next bytecode: inside torch.save
+        os.kill(os.getpid(), signal.SIGINT)
+        real_save(obj, file)
+
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(KeyboardInterrupt):
+        ppo_atari.save_checkpoint({"update": 7}, tmp_path / "checkpoint.pt")
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True) == {"update": 7}
+    assert not list(tmp_path.glob("*.tmp"))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 # In update 3, after update 2's checkpoint; or while update 2's checkpoint is written, after update 1's.
 @pytest.mark.parametrize("phase, last", [("training", 2), ("saving", 1)])
 def test_a_second_ctrl_c_aborts_at_once_naming_the_last_checkpoint(phase, last, tmp_path, monkeypatch, capsys):

@@ -137,8 +137,8 @@ def test_the_pytorch_scripts_abort_by_raising_in_the_main_thread(module):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-FAULT_PIECES = ["DiskFull", "save_checkpoint", "last_checkpoint", "run_dir_lock", "undo_non_finite_updates",
-                "aborted", "ignore_interrupts"]
+FAULT_PIECES = ["DiskFull", "save_checkpoint", "signals_held", "last_checkpoint", "run_dir_lock",
+                "undo_non_finite_updates", "aborted", "ignore_interrupts"]
 
 
 @pytest.mark.parametrize("name", FAULT_PIECES)
