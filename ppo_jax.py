@@ -54,10 +54,10 @@ Pendulum-v1 with its preset, observations and rewards normalised: twelve agents 
 -164 after 1M steps each, each past -250 within 94,000 steps (Part 3 has the table).
 Breakout-MinAtar: a return of 7 after 2M steps (its 10M-step preset was not run here). Atari
 Breakout, its games stepped inside the compiled program (Part 2): 250 steps a second against 333
-for `ppo_atari.py`, measured one after the other on an AMD EPYC without AMX (where `ppo_atari.py`
-computes in float32). The games alone step faster here than through `ppo_atari.py`'s worker
-processes (3,140 steps a second against 2,464); the update is what limits a CPU, 3.35 s an
-iteration of 8 games x 128 steps in XLA against 2.00 s in PyTorch.
+for `ppo_atari.py` in float32, measured one after the other on an AMD EPYC (490 for
+`ppo_atari.py` in bfloat16, its default on that CPU). The games alone step faster here than
+through `ppo_atari.py`'s worker processes (3,140 steps a second against 2,464); the update is what
+limits a CPU, 3.35 s an iteration of 8 games x 128 steps in XLA against 2.00 s in PyTorch.
 
 Papers and projects: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); PureJaxRL, the whole run as one JAX program (Lu et al., 2022, "Discovered Policy
