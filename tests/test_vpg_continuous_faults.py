@@ -56,11 +56,16 @@ def test_a_ctrl_c_during_the_write_of_a_checkpoint_waits_until_the_checkpoint_is
         real_save(obj, file)
 
     monkeypatch.setattr(torch, "save", save)
-    with pytest.raises(KeyboardInterrupt):
-        vpg.save_checkpoint({"update": 7}, tmp_path / "checkpoint.pt")
+    # Python's own Ctrl-C handler, whatever the runner left (a shell's background job ignores SIGINT).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            vpg.save_checkpoint({"update": 7}, tmp_path / "checkpoint.pt")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True) == {"update": 7}
     assert not list(tmp_path.glob("*.tmp"))
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 # In update 3, after update 2's checkpoint; or while update 2's checkpoint is written, after update 1's.
