@@ -10,7 +10,8 @@ writes, per task, under `benchmarks/results/`:
 
 - `<task>.csv`: the curve, one row per point of a regular grid of steps (the format below);
 - `<task>.png`: the score against steps, the mean over the seeds with their spread (min to max)
-  shaded, and the published points of the task's anchors on the same axes;
+  shaded, and the published points of the task's anchors on the same axes, and, for a task drawn
+  beside another (`breakout-jax` beside `breakout`), the other's mean curve, read from its CSV;
 - `<task>_time.png`: the same curve against the training time.
 
     python benchmarks/learning_curves.py --list                  # the tasks, their settings and anchors
@@ -174,6 +175,9 @@ class Task:
     unit: str = "episodes"
     """What one logged score is, for the y axis: `games`, `episodes`, or ppo_jax.py's `updates`."""
     anchors: tuple[Anchor, ...] = ()
+    beside: tuple[str, ...] = ()
+    """Other tasks on the same environment, whose curves (read from their CSVs in the results
+    directory) are drawn on the same axes: one script beside another."""
 
 
 CLEANRL_BREAKOUT = Anchor(
@@ -195,7 +199,7 @@ TASKS = {task.name: task for task in [
          anchors=(Anchor("PureJaxRL PPO (README plot, against seconds): ≈ 40 at its run's end",
                          ((10_000_000, 40.0),), level=True),)),
     Task("breakout-jax", "ppo_jax.py", "Breakout", schedule=10_000_000, budget=2_000_000, seeds=(1, 2),
-         score="score", unit="updates", anchors=(CLEANRL_BREAKOUT,)),
+         score="score", unit="updates", anchors=(CLEANRL_BREAKOUT,), beside=("breakout",)),
 ]}
 
 UNITS = {"ppo_atari.py": "games", "vpg_continuous.py": "episodes"}
@@ -594,10 +598,21 @@ def y_label(task: Task, window: int) -> str:
     return f"{task.score} (mean of the last {window} {task.unit})"
 
 
-def plot_steps(curve: Curve, task: Task, window: int, path: Path) -> None:
-    """The score against steps, with the task's anchors."""
+def peer_label(name: str, peer: Curve) -> str:
+    task = TASKS.get(name)
+    script = f"{task.script} ({name})" if task else name
+    count = len(peer.scores)
+    return f"{script}, mean over {count} seeds" if count > 1 else f"{script}, {describe_curves(list(peer.scores))}"
+
+
+def plot_steps(curve: Curve, task: Task, window: int, path: Path, peers: dict[str, Curve] | None = None) -> None:
+    """The score against steps, with the task's anchors and the mean curves of the tasks beside it."""
     figure, axes = plt.subplots(figsize=(8, 5))
     draw_curve(axes, curve.steps, curve)
+    for name, peer in (peers or {}).items():
+        shown = [(step, value) for step, value in zip(peer.steps, curve_arrays(peer)[0]) if step <= task.budget]
+        if shown:
+            axes.plot(*zip(*shown), linewidth=1.5, linestyle=":", label=peer_label(name, peer))
     for anchor in task.anchors:
         if anchor.level:
             axes.axhline(anchor.points[0][1], color="black", linestyle="--", linewidth=1, label=anchor.source)
@@ -718,10 +733,12 @@ def list_tasks() -> None:
         for anchor in task.anchors:
             points = ", ".join(f"{format_steps(step)}: {score:g}" for step, score in anchor.points)
             print(f"    anchor: {anchor.source} [{points}]")
+        for name in task.beside:
+            print(f"    beside: {name}")
 
 
-def report(task: Task, curve: Curve) -> None:
-    """The last point of the curve, beside the anchors' points up to the budget."""
+def report(task: Task, curve: Curve, peers: dict[str, Curve] | None = None) -> None:
+    """The last point of the curve, beside the anchors' points up to the budget and the curves beside it there."""
     last = next((i for i in reversed(range(len(curve.steps))) if curve.mean[i] is not None), None)
     if last is None:
         print(f"{task.name}: no point of the curve yet")
@@ -732,6 +749,10 @@ def report(task: Task, curve: Curve) -> None:
     for anchor in task.anchors:
         points = [f"{score:g} at {format_steps(step)}" for step, score in anchor.points if step <= task.budget]
         print(f"    {anchor.source}" + (": " + ", ".join(points) if points and not anchor.level else ""))
+    for name, peer in (peers or {}).items():
+        reached = [i for i, step in enumerate(peer.steps) if step <= curve.steps[last] and peer.mean[i] is not None]
+        if reached:
+            print(f"    {peer_label(name, peer)}: {peer.mean[reached[-1]]:.1f} at step {peer.steps[reached[-1]]:,}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -760,10 +781,12 @@ def main(argv: list[str] | None = None) -> int:
                 task = replace(task, budget=curve.steps[-1])
         else:
             raise UsageError(f"nothing to draw: no runs of {task.name} in {runs} and no {csv_path}")
+        peers = {name: read_csv(results / f"{name}.csv") for name in task.beside
+                 if (results / f"{name}.csv").exists()}
         plots = [results / f"{task.name}.png", results / f"{task.name}_time.png"]
-        plot_steps(curve, task, args.window, plots[0])
+        plot_steps(curve, task, args.window, plots[0], peers)
         plot_time(curve, task, args.window, plots[1])
-        report(task, curve)
+        report(task, curve, peers)
         print("wrote " + ", ".join(map(str, ([csv_path] if records else []) + plots)))
         return 0
     except UsageError as error:

@@ -148,6 +148,20 @@ def test_the_plots_are_written(tmp_path):
             assert data.startswith(b"\x89PNG") and len(data) > 10_000
 
 
+def test_a_task_is_drawn_beside_the_curve_of_another_script_up_to_its_own_budget(tmp_path, monkeypatch, capsys):
+    peer = two_seeds(tmp_path)                      # steps 200..1000; both seeds up to 400
+    own = curves.Curve([100, 200, 300], {"seed_1": [1.0, 2.0, 3.0]}, {"seed_1": [1.0, 2.0, 3.0]}, [1.0, 2.0, 3.0])
+    task = curves.replace(curves.TASKS["breakout-jax"], budget=300)
+    assert task.beside == ("breakout",)
+    drawn = {}
+    monkeypatch.setattr(curves, "finish", lambda figure, axes, *rest: drawn.update(
+        {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in axes.get_lines()}))
+    curves.plot_steps(own, task, 100, tmp_path / "own.png", {"breakout": peer})
+    assert drawn["ppo_atari.py (breakout), mean over 2 seeds"] == ([200], [10.75])
+    curves.report(task, own, {"breakout": peer})
+    assert "ppo_atari.py (breakout), mean over 2 seeds: 10.8 at step 200" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["breakot"], "unknown task 'breakot' (did you mean breakout or breakout-jax?)"),
     (["breakout", "--budget", "20M"], "--budget 20,000,000 is past the schedule of 10,000,000 steps"),
