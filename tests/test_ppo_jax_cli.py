@@ -208,7 +208,7 @@ def test_minatar_trains_and_evaluates(run, tmp_path):
     assert "Breakout-MinAtar: 1 agent(s)" in result.stderr
     checkpoint = read_checkpoint(tmp_path / "checkpoint.msgpack")
     # The MinAtar preset, but for the flags given; the small CNN's parameters.
-    assert checkpoint["config"]["learning_rate"] == 5e-4 and checkpoint["config"]["num_envs"] == 8
+    assert checkpoint["config"]["learning_rate"] == 5e-3 and checkpoint["config"]["num_envs"] == 8
     assert checkpoint["runners"]["obs"].shape == (1, 8, 10, 10, 4)
     assert checkpoint["runners"]["agent"]["params"]["params"]["Convolution_0"]["Dense_0"]["kernel"].shape == (1, 36, 16)
     assert set(TAGS[2:]) <= set(scalars(tmp_path))
