@@ -1223,13 +1223,16 @@ RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.n
 # value coefficient of 1. MinAtar's are the settings of PureJaxRL's MinAtar example
 # (`examples/brax_minatar.ipynb`, which says they were briefly tuned for gymnax's MinAtar games): 64
 # environments x 128 steps, 8 minibatches, and a learning rate of 5e-3, twenty times CartPole's; the
-# rest are the defaults above, which are also that notebook's (its clip range is not annealed). The
-# learning rate is what matters. This preset first had 5e-4. On Breakout-MinAtar, four agents
+# rest are the defaults above, which are also that notebook's (its clip range is not annealed, and
+# its networks are two separate MLPs of 64 units on the flattened grid, where ours is the MinAtar
+# paper's CNN). The learning rate is what matters. This preset first had 5e-4. On Breakout-MinAtar, four agents
 # (seed 1, the 10M-step schedule) then stalled: three of them at a return of 7 from 2M steps on,
 # the fourth at 28.7 by 4.8M, when the run was stopped (a mean of 12.3). With 5e-3 the same four
 # were at 22.5 to 48.5 by 2M steps (the curves: `minatar-lr5e-4` and `minatar-breakout-jax` in
 # `benchmarks/results/`), and ended at 28.9 to 74.0 after 10M, a mean of 49.6, against about 40
-# at the end of PureJaxRL's run. Pendulum's were found here, in the style of rl-zoo's (a short discount, large
+# at the end of PureJaxRL's run.
+#
+# Pendulum's were found here, in the style of rl-zoo's (a short discount, large
 # batches, ten epochs, no entropy bonus), not the PPO paper's MuJoCo settings (its Table 3: one
 # actor, a horizon of 2048, 10 epochs of minibatches of 64, 3e-4, a discount of 0.99), with a
 # learning rate of 1e-3 before observations and rewards were normalised; normalised, a rate of 3e-4
