@@ -601,8 +601,8 @@ def y_label(task: Task, window: int) -> str:
 def peer_label(name: str, peer: Curve) -> str:
     task = TASKS.get(name)
     script = f"{task.script} ({name})" if task else name
-    count = len(peer.scores)
-    return f"{script}, mean over {count} seeds" if count > 1 else f"{script}, {describe_curves(list(peer.scores))}"
+    count, kind = len(peer.scores), "agents" if any("_agent_" in name for name in peer.scores) else "seeds"
+    return f"{script}, mean over {count} {kind}" if count > 1 else f"{script}, {describe_curves(list(peer.scores))}"
 
 
 def plot_steps(curve: Curve, task: Task, window: int, path: Path, peers: dict[str, Curve] | None = None) -> None:
