@@ -43,8 +43,8 @@ class ShowsWhichActionPays:
         return ppo_atari.VecStep(self.obs, rewards, done, np.zeros_like(done), self.final_obs, finished)
 
 
-def train_on_task(advantage_sign: float, monkeypatch) -> float:
-    """Mean reward over the last 512 steps of a 4,096-step run."""
+def train_on_task(advantage_sign: float, monkeypatch, device: str = "cpu") -> float:
+    """Mean reward over the last 512 steps of a 4,096-step run on `device`."""
     if advantage_sign < 0:
         original = ppo_atari.compute_gae
 
@@ -56,7 +56,7 @@ def train_on_task(advantage_sign: float, monkeypatch) -> float:
     torch.manual_seed(0)
     config = ppo_atari.RunConfig(num_envs=8, num_steps=32, total_timesteps=4096, learning_rate=2.5e-4)
     envs = ShowsWhichActionPays(config.num_envs, n_actions=4, seed=0)
-    trainer = ppo_atari.TunedTrainer(config, envs, torch.device("cpu"))  # as a run trains, bfloat16 where it is fast
+    trainer = ppo_atari.TunedTrainer(config, envs, torch.device(device))  # as a run trains, bfloat16 where it is fast
     trainer.train()
     return float(np.mean(envs.rewards_seen[-512:]))
 

@@ -310,6 +310,16 @@ def test_cuda_without_cuda_exits_2(run, tmp_path):
     one_line_error(run("--device", "cuda", "--run-dir", tmp_path), "no CUDA device")
 
 
+def test_trains_on_the_gpu_where_there_is_one(run, tmp_path):
+    if not any(device.platform == "gpu" for device in jax.devices()):
+        pytest.skip("needs a GPU")
+    result = run(*SMALL, "--device", "cuda", "--run-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "devices: 1 × gpu" in result.stderr and "step 4,096/4,096 x 2 agents" in result.stderr
+    evaluated = run("--eval", tmp_path / "checkpoint.msgpack", "--eval-episodes", 2, "--device", "cpu")
+    assert evaluated.returncode == 0, evaluated.stderr
+
+
 def test_progress_every_10_seconds_and_ctrl_c_within_seconds_however_long_an_update(environment, tmp_path):
     # Updates of 64 envs x 256 steps, a fraction of a second each on a 2-core CPU, a checkpoint due every
     # 1000 of them: the chunks of the compiled run are sized by time, not by the checkpoints, so the

@@ -283,6 +283,21 @@ def test_cuda_without_cuda_exits_2(tmp_path, capsys):
     one_line_error(*run_main(capsys, *PENDULUM, "--device", "cuda", "--run-dir", tmp_path)[::2], "no CUDA device")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_trains_resumes_and_evaluates_on_the_gpu(tmp_path, capsys):
+    # The smoke run of the CPU on the GPU (`--device auto` picks it), then the checkpoint read back on both.
+    status, _, errors = run_main(capsys, *PENDULUM, "--run-dir", tmp_path)
+    assert status == 0 and "Pendulum-v1: training on cuda:0" in errors, errors
+    checkpoint = tmp_path / "checkpoint.pt"
+    status, _, errors = run_main(capsys, "--resume", checkpoint, "--total-timesteps", 8192, "--device", "cpu",
+                                 "--run-dir", tmp_path / "on-cpu")
+    assert status == 0 and "training on cpu" in errors, errors
+    for device in ["cpu", "cuda"]:
+        status, out, errors = run_main(capsys, "--eval", tmp_path / "on-cpu" / "checkpoint.pt", "--eval-episodes", 2,
+                                       "--device", device)
+        assert status == 0 and "2 episodes" in out, errors
+
+
 def test_ctrl_c_saves_a_checkpoint_and_leaves_no_process(tmp_path):
     process = subprocess.Popen([sys.executable, SCRIPT, "--run-dir", str(tmp_path)],
                                stderr=subprocess.PIPE, text=True, cwd=ROOT)
