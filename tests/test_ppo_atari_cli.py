@@ -202,12 +202,14 @@ def test_cuda_without_cuda_exits_2(tmp_path):
     one_line_error(run("--device", "cuda", "--run-dir", tmp_path, "--total-timesteps", 1024), "no CUDA device")
 
 
-def test_ctrl_c_saves_a_checkpoint_and_leaves_no_process(tmp_path):
-    process = subprocess.Popen([sys.executable, SCRIPT, "--total-timesteps", "10000000", "--run-dir", str(tmp_path)],
-                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_ctrl_c_saves_a_checkpoint_and_leaves_no_process(device, tmp_path):
+    process = subprocess.Popen([sys.executable, SCRIPT, "--total-timesteps", "10000000", "--device", device,
+                                "--run-dir", str(tmp_path)], stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         for line in process.stderr:
-            if "training on" in line:
+            if f"training on {device}" in line:
                 break
         time.sleep(3)
         workers = children_of(process.pid)

@@ -1,22 +1,20 @@
 """ppo_atari.py on a CUDA GPU: the same update as on the CPU, `--device auto` picking the GPU,
-checkpoints that move between the two, the pinned staging of frames, and a NaN or a Ctrl-C there.
+checkpoints that move between the two, the pinned staging of frames, and a NaN there (Ctrl-C on
+the GPU is in `test_ppo_atari_cli.py`, beside the CPU's).
 
 Every test here needs a GPU and is skipped, by name, on a machine without one (CI has none); the
 GPU runs of the other two scripts are beside their CPU tests, in their own `*_cli.py` files."""
 
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 import ppo_atari
 from conftest import ROOT
-from processes import alive, process_tree
 from test_ppo_atari_learning import train_on_task
-from test_ppo_atari_model import ScriptedEnv, small_config
+from test_ppo_atari_model import ScriptedEnv, a_nan_stops_the_update, small_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -74,16 +72,8 @@ def test_frames_reach_the_gpu_through_pinned_memory_in_the_order_they_were_playe
 
 def test_a_nan_on_cuda_stops_the_update_and_names_it():
     torch.manual_seed(0)
-    trainer = ppo_atari.TunedTrainer(ppo_atari.RunConfig(**vars(small_config())), ScriptedEnv(), torch.device("cuda"))
-    trainer.update_policy(trainer.collect_rollout())
-    rollout = trainer.collect_rollout()
-    with torch.no_grad():
-        trainer.model.value.weight[0, 0] = float("nan")
-    before = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
-    with pytest.raises(ppo_atari.NonFiniteError, match="update 2"):
-        trainer.update_policy(rollout)
-    for name, tensor in trainer.model.state_dict().items():
-        torch.testing.assert_close(tensor, before[name], equal_nan=True, rtol=0, atol=0)  # no step was taken
+    a_nan_stops_the_update(ppo_atari.TunedTrainer(ppo_atari.RunConfig(**vars(small_config())), ScriptedEnv(),
+                                                  torch.device("cuda")))
 
 
 def test_auto_picks_the_gpu():
@@ -112,29 +102,6 @@ def test_a_checkpoint_moves_from_the_gpu_to_the_cpu_and_back(tmp_path):
     for device in ["cpu", "cuda"]:
         evaluated = run("--eval", tmp_path / "back" / "checkpoint.pt", "--eval-episodes", 1, "--device", device)
         assert evaluated.returncode == 0 and "1 games, score" in evaluated.stdout, evaluated.stderr
-
-
-def test_ctrl_c_on_the_gpu_saves_a_checkpoint_and_leaves_no_process(tmp_path):
-    process = subprocess.Popen([sys.executable, SCRIPT, *map(str, TINY), "--total-timesteps", 10**7,
-                                "--device", "cuda", "--run-dir", str(tmp_path)],
-                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        for line in process.stderr:
-            if "training on cuda" in line:
-                break
-        time.sleep(3)
-        workers = process_tree(process.pid)
-        assert workers
-        process.send_signal(signal.SIGINT)
-        _, errors = process.communicate(timeout=60)
-    finally:
-        process.kill()
-    assert process.returncode == 130, errors
-    assert "stopped at update" in errors and "Traceback" not in errors, errors
-    checkpoint = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
-    assert checkpoint["update"] > 0 and checkpoint["global_step"] == checkpoint["update"] * 128
-    time.sleep(0.5)
-    assert not [pid for pid in workers if alive(pid)]
 
 
 def test_learns_which_action_pays_on_the_gpu(monkeypatch):

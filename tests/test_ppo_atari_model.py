@@ -186,7 +186,11 @@ def test_update_follows_the_schedule_and_resumes_on_it(breakout_id):
 
 def test_a_nan_stops_the_update_and_names_it():
     torch.manual_seed(0)
-    trainer = ppo_atari.Trainer(small_config(), ScriptedEnv(), torch.device("cpu"))
+    a_nan_stops_the_update(ppo_atari.Trainer(small_config(), ScriptedEnv(), torch.device("cpu")))
+
+
+def a_nan_stops_the_update(trainer: ppo_atari.Trainer) -> None:
+    """After one good update, a NaN in a weight: the next update raises, naming it, and takes no step."""
     trainer.update_policy(trainer.collect_rollout())
     rollout = trainer.collect_rollout()
     with torch.no_grad():
