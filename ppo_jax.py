@@ -118,7 +118,6 @@ import textwrap
 import threading
 import time
 import typing
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, NamedTuple
@@ -860,6 +859,10 @@ class Runner(NamedTuple):
     episode_returns: jax.Array
     """`[num_envs]`: the return of each environment's episode so far, the environment's own rewards, for logging."""
     episode_lengths: jax.Array
+    recent_returns: jax.Array
+    """`[SCORE_WINDOW]`: the returns of the last 100 episodes that ended, in a ring (see `remember_episodes`)."""
+    episodes: jax.Array
+    """Episodes ended so far."""
     key: jax.Array
     update: jax.Array
     """Updates done; the schedules read it."""
@@ -875,6 +878,38 @@ class Training(NamedTuple):
     train: Callable[[jax.Array], tuple[Runner, dict]]
     network: nn.Module
     env: BatchedEnv
+
+
+# The score of a run is the mean return of its last 100 episodes (on Atari: the real scores of its
+# last 100 whole games), what `ppo_atari.py` shows and what published curves plot. `ppo_atari.py`
+# logs each game's score as it ends, and the mean is taken afterwards. A compiled update cannot
+# hand out a list whose length changes from one update to the next, so the program keeps the last
+# 100 returns itself, in a fixed array used as a ring: the `n`-th episode to end is written at
+# `n % 100`, over the one that ended 100 episodes before it. Every update then reports the ring's
+# mean (`charts/episodic_return_last_100`) beside the mean of its own episodes
+# (`charts/episodic_return`, as PureJaxRL and CleanRL's JAX scripts log it).
+
+SCORE_WINDOW = 100
+
+
+def remember_episodes(ring: jax.Array, count: jax.Array, ended: jax.Array,
+                      returns: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(ring, count)` after the episodes flagged in `ended` (in order) were written into the ring of `count` so far."""
+    size = ring.shape[0]
+    order = jnp.cumsum(ended) - 1  # each ended episode's place among those ending now
+    total = ended.sum()
+    # When more episodes end at once than the ring holds, only the last `size` are written: the
+    # others would be overwritten anyway, and two writes to one slot in one scatter have no order.
+    write = ended & (order >= total - size)
+    slots = jnp.where(write, (count + order) % size, size)  # `size` is past the end: dropped
+    return ring.at[slots].set(returns.astype(ring.dtype), mode="drop"), count + total
+
+
+def mean_of_ring(ring: jax.Array, count: jax.Array) -> jax.Array:
+    """The mean of the `min(count, size)` returns written into `ring` so far; NaN before the first."""
+    filled = jnp.arange(ring.shape[0]) < count
+    return jnp.where(count > 0, jnp.where(filled, ring, 0.0).sum() / jnp.maximum(jnp.minimum(count, ring.shape[0]), 1),
+                     jnp.nan)
 
 
 def make_train(config: Config, env_id: str | None = None) -> Training:
@@ -901,7 +936,8 @@ def make_train(config: Config, env_id: str | None = None) -> Training:
         params = init_params(network_key, obs)
         zeros = jnp.zeros(config.num_envs)
         return Runner(Agent(params, optimizer.init(params)), env_state, obs, normalizer, zeros,
-                      zeros.astype(jnp.int32), key, jnp.array(0, jnp.int32))
+                      zeros.astype(jnp.int32), jnp.zeros(SCORE_WINDOW), jnp.array(0, jnp.int32), key,
+                      jnp.array(0, jnp.int32))
 
     def env_step(runner: Runner, _) -> tuple[Runner, tuple[Rollout, tuple]]:
         """One step of every environment with the current policy: the body of the rollout's scan."""
@@ -950,12 +986,16 @@ def make_train(config: Config, env_id: str | None = None) -> Training:
         agent, metrics = update_agent(runner.agent, rollout, update_key,
                                       linear_schedule(config.learning_rate, runner.update, config.num_updates),
                                       linear_schedule(config.clip_range, runner.update, config.num_updates))
-        # The episodes that ended in this rollout: their mean return and length (NaN if none ended).
+        # The episodes that ended in this rollout: their mean return and length (NaN if none ended),
+        # and the mean return of the last 100 episodes, these included.
         episodes = ended.sum()
+        recent_returns, count = remember_episodes(runner.recent_returns, runner.episodes, ended.reshape(-1),
+                                                  returns.reshape(-1))
         metrics.update(episodic_return=jnp.where(episodes > 0, (returns * ended).sum() / episodes, jnp.nan),
                        episodic_length=jnp.where(episodes > 0, (lengths * ended).sum() / episodes, jnp.nan),
-                       episodes=episodes)
-        return runner._replace(agent=agent, key=key, update=runner.update + 1), metrics
+                       episodes=episodes, recent_return=mean_of_ring(recent_returns, count))
+        return runner._replace(agent=agent, recent_returns=recent_returns, episodes=count, key=key,
+                               update=runner.update + 1), metrics
 
     def skip(runner: Runner) -> tuple[Runner, dict]:
         """No update: the runner as it was, and metrics of zeros shaped as `update`'s."""
@@ -1659,6 +1699,14 @@ def load_checkpoint(path: str) -> dict:
     return checkpoint
 
 
+def with_episode_ring(runners: dict, agents: int) -> dict:
+    """A checkpoint's runners, with an empty ring of recent returns if it was written before the ring existed."""
+    if "recent_returns" in runners:
+        return runners
+    return {**runners, "recent_returns": np.zeros((agents, SCORE_WINDOW), np.float32),
+            "episodes": np.zeros(agents, np.int32)}
+
+
 def restore_tree(template: Any, state: Any, path: str) -> Any:
     """The arrays of `state` (from a checkpoint) in the structure, shapes and types of `template`."""
     try:
@@ -1730,9 +1778,12 @@ def log_update(writer: EventWriter, metrics: dict[str, float], step: int) -> Non
         writer.add_scalar(f"losses/{name}", value, step)
 
 
-def log_episodes(writer: EventWriter, episodic_return: float, episodic_length: float, step: int) -> None:
+def log_episodes(writer: EventWriter, episodic_return: float, episodic_length: float, recent_return: float,
+                 step: int) -> None:
+    """The mean return and length of an update's episodes, and the mean return of the last 100 (see `SCORE_WINDOW`)."""
     writer.add_scalar("charts/episodic_return", episodic_return, step)
     writer.add_scalar("charts/episodic_length", episodic_length, step)
+    writer.add_scalar("charts/episodic_return_last_100", recent_return, step)
 
 
 class Progress:
@@ -1748,9 +1799,22 @@ class Progress:
 
     def __init__(self, total: int, start_step: int, agents: int = 1, unit: str = "games"):
         self.total, self.start_step, self.agents, self.unit = total, start_step, agents, unit
-        self.scores: deque[float] = deque(maxlen=20)
+        self.score = "-"
         self.interactive = sys.stderr.isatty()
         self.restart()
+
+    def score_of(self, rings: np.ndarray, counts: np.ndarray) -> None:
+        """The line's return from the agents' rings of recent returns (`[agents, SCORE_WINDOW]`, `[agents]`).
+
+        Each agent's mean over its last 100 episodes (or all it has finished, while fewer), averaged
+        over the agents that finished one.
+        """
+        filled = np.minimum(counts, rings.shape[-1])
+        started = filled > 0
+        if started.any():
+            means = [ring[:n].mean() for ring, n in zip(rings[started], filled[started])]
+            low, high = filled[started].min(), filled[started].max()
+            self.score = f"{np.mean(means):.1f} (mean of last {low if low == high else f'{low}-{high}'} {self.unit})"
 
     def restart(self) -> None:
         """Count speed from now on (after compiling, say)."""
@@ -1769,10 +1833,9 @@ class Progress:
         self.last_print = now
         sps = self.steps_per_second(step)
         left = (self.total - step) * self.agents / sps if sps > 0 else float("inf")
-        score = f"{np.mean(self.scores):.1f} (mean of last {len(self.scores)} {self.unit})" if self.scores else "-"
         agents = f" x {self.agents} agents" if self.agents > 1 else ""
         line = (f"step {step:,}/{self.total:,}{agents} ({100 * step / self.total:.1f}%) | {sps:,.0f} SPS | "
-                f"{format_duration(left)} left | return {score}")
+                f"{format_duration(left)} left | return {self.score}")
         end = "\n" if final or not self.interactive else ""
         print(("\r\033[K" if self.interactive else "") + line, end=end, file=sys.stderr, flush=True)
 
@@ -2124,7 +2187,7 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, stop
         runners = jax.jit(jax.vmap(training.init))(keys)
     else:
         template = jax.eval_shape(lambda keys: storable(jax.vmap(training.init)(keys)), keys)
-        runners = restore_tree(template, checkpoint["runners"], config.resume)
+        runners = restore_tree(template, with_episode_ring(checkpoint["runners"], config.num_seeds), config.resume)
         runners = runners._replace(key=jax.random.wrap_key_data(runners.key))
         if isinstance(training.env, AtariEnv):
             # The games were not saved (see `storable`): new ones begin, from seeds of the update reached.
@@ -2136,9 +2199,9 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, stop
     mesh = seed_mesh(config.num_seeds)
     runners = jax.device_put(runners, split_over_seeds(mesh))
     update = int(runners.update[0])
-    progress = Progress(run.total_steps, update * config.batch_size, config.num_seeds, unit="updates")
-    if checkpoint is not None:
-        progress.scores.extend(checkpoint.get("recent_scores", []))  # absent from older checkpoints
+    progress = Progress(run.total_steps, update * config.batch_size, config.num_seeds,
+                        unit="games" if isinstance(training.env, AtariEnv) else "episodes")
+    progress.score_of(np.asarray(runners.recent_returns), np.asarray(runners.episodes))
 
     print(describe_devices(mesh, config.num_seeds), file=sys.stderr)
     started = time.perf_counter()
@@ -2166,8 +2229,7 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, stop
             log_gymnax_updates(run, metrics, update, config.batch_size,
                                count * config.batch_size * config.num_seeds / seconds)
             update += count
-            returns = metrics["episodic_return"]
-            progress.scores.extend(mean_over_agents(returns[i]) for i in range(count) if np.isfinite(returns[i]).any())
+            progress.score_of(np.asarray(runners.recent_returns), np.asarray(runners.episodes))
             progress.show(update * config.batch_size)
             if update % config.checkpoint_every == 0:
                 save()
@@ -2175,10 +2237,8 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, stop
             count = max(1, min(length, int(CHUNK_SECONDS * count / seconds)))
 
     def save() -> None:
-        # The progress line's recent scores ride along, so that a resumed run's line goes on from them.
         run.write_checkpoint(checkpoint_state(config, env_id, update, update * config.batch_size,
-                                              runners=storable(runners),
-                                              recent_scores=np.asarray(progress.scores, np.float64)))
+                                              runners=storable(runners)))
 
     def counters() -> tuple[int, int]:
         progress.show(update * config.batch_size, final=True)
@@ -2201,11 +2261,13 @@ def log_gymnax_updates(run: Run, metrics: dict[str, np.ndarray], first_update: i
         for agent, writer in enumerate(run.writers):
             log_update(writer, jax.tree.map(lambda value: value[agent], per_agent), step)
             if per_agent["episodes"][agent]:
-                log_episodes(writer, per_agent["episodic_return"][agent], per_agent["episodic_length"][agent], step)
+                log_episodes(writer, per_agent["episodic_return"][agent], per_agent["episodic_length"][agent],
+                             per_agent["recent_return"][agent], step)
         log_update(run.writer, jax.tree.map(mean_over_agents, per_agent), step)
         if per_agent["episodes"].any():
             log_episodes(run.writer, mean_over_agents(per_agent["episodic_return"]),
-                         mean_over_agents(per_agent["episodic_length"]), step)
+                         mean_over_agents(per_agent["episodic_length"]), mean_over_agents(per_agent["recent_return"]),
+                         step)
     run.writer.add_scalar("charts/SPS", sps, step)
 
 

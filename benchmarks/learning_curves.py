@@ -58,14 +58,18 @@ The score at step `t` is the mean of the last `--window` (100) scores logged und
 `charts/episodic_return` at a step of at most `t`, in the order they were logged. ppo_atari.py
 logs one score per finished game (the game's real score over all its lives) and vpg_continuous.py
 one per finished episode, each at the step of the update in which it ended: for them a point is
-the mean real score of the last 100 whole games or episodes. ppo_jax.py logs, per update, the
-mean return of the episodes (on Atari, the real scores of the whole games) that ended in that
-update (nothing when none did); with `--num-seeds N` it trains N agents in one process and logs each in
-`<run dir>/agent-<i>/` (the run dir itself holds their mean, which is not used here). For those
-runs a point is, for each agent, the mean over the last 100 updates in which an episode of that
-agent ended of the mean return of those episodes: an update's episodes weigh as one, however many
-they were, and the window spans 100 updates rather than 100 episodes. Each agent is a curve of its
-own, spread and mean are over agents, and training time is that of the process, shared by them.
+the mean real score of the last 100 whole games or episodes. ppo_jax.py cannot log its episodes
+one by one from inside its compiled program; it keeps the returns of its last 100 (on Atari, the
+real scores of the last 100 whole games) and logs their mean under
+`charts/episodic_return_last_100` after every update in which an episode ended. For its runs a
+point is the last of those means logged at a step of at most `t`: the same mean of the last 100,
+computed by the script (`--window` does not apply). With `--num-seeds N` it trains N agents in one
+process and logs each in `<run dir>/agent-<i>/` (the run dir itself holds their mean, which is not
+used here). Each agent is a curve of its own, spread and mean are over agents, and training time is
+that of the process, shared by them. Runs of ppo_jax.py from before it kept its last 100 have only
+`charts/episodic_return`, the mean return of each update's episodes; for them a point is the mean
+over the last `--window` updates in which an episode ended (an update's episodes weigh as one, so
+the window spans updates, not episodes), and the plots say so.
 
 A point is empty for a curve that has no finished game (or episode, or update with one) at or
 before it, and for a run that did not get that far. A run that finished its schedule is counted
@@ -134,6 +138,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PROG = "learning_curves.py"
 CHECKPOINT_NAMES = ("checkpoint.pt", "checkpoint.msgpack")
 SCORE_TAG = "charts/episodic_return"
+RING_TAG = "charts/episodic_return_last_100"
+"""ppo_jax.py's own mean return of its last 100 episodes, logged after each update in which one ended."""
 
 
 # ## The tasks
@@ -173,7 +179,8 @@ class Task:
     flags: tuple[str, ...] = ()
     score: str = "return"
     unit: str = "episodes"
-    """What one logged score is, for the y axis: `games`, `episodes`, or ppo_jax.py's `updates`."""
+    """What the score averages, for the y axis: `games` or `episodes` (or, for ppo_jax.py's runs from
+    before it kept its last 100 episodes, `updates`)."""
     anchors: tuple[Anchor, ...] = ()
     beside: tuple[str, ...] = ()
     """Other tasks on the same environment, whose curves (read from their CSVs in the results
@@ -190,19 +197,19 @@ TASKS = {task.name: task for task in [
     Task("halfcheetah", "vpg_continuous.py", "HalfCheetah-v5", schedule=1_000_000, budget=1_000_000, seeds=(1, 2, 3),
          anchors=(Anchor("Spinning Up VPG (PyTorch, HalfCheetah-v3): ≈ 630 at 3M", ((3_000_000, 630.0),), level=True),)),
     Task("cartpole-jax", "ppo_jax.py", "CartPole-v1", schedule=500_000, budget=500_000, seeds=(1,),
-         flags=("--num-seeds", "16"), unit="updates",
+         flags=("--num-seeds", "16"),
          anchors=(Anchor("PureJaxRL PPO (README plot): 500 at its run's end", ((500_000, 500.0),), level=True),)),
     # The README does not say how long its MinAtar run was; PureJaxRL's MinAtar example notebook trains
     # for 1e7 steps of 64 envs x 128 steps, the scale of this preset (but with a learning rate of 5e-3).
     Task("minatar-breakout-jax", "ppo_jax.py", "Breakout-MinAtar", schedule=10_000_000, budget=10_000_000,
-         seeds=(1,), flags=("--num-seeds", "4"), unit="updates",
+         seeds=(1,), flags=("--num-seeds", "4"),
          anchors=(Anchor("PureJaxRL PPO (README plot, against seconds): ≈ 40 at its run's end",
                          ((10_000_000, 40.0),), level=True),)),
     Task("breakout-jax", "ppo_jax.py", "Breakout", schedule=10_000_000, budget=2_000_000, seeds=(1, 2),
-         score="score", unit="updates", anchors=(CLEANRL_BREAKOUT,), beside=("breakout",)),
+         score="score", unit="games", anchors=(CLEANRL_BREAKOUT,), beside=("breakout",)),
 ]}
 
-UNITS = {"ppo_atari.py": "games", "vpg_continuous.py": "episodes"}
+UNITS = {"ppo_atari.py": "games", "vpg_continuous.py": "episodes", "ppo_jax.py": "episodes"}
 
 
 class UsageError(Exception):
@@ -383,10 +390,12 @@ class Sitting:
     """(step, wall time) of every scalar, in the order logged."""
     scores: list[tuple[int, float]]
     """(step, score) of every finite `charts/episodic_return`, in the order logged."""
+    means: list[tuple[int, float]]
+    """(step, mean) of every finite `charts/episodic_return_last_100` (ppo_jax.py's), in the order logged."""
 
 
 def read_sitting(path: Path) -> Sitting:
-    steps, scores, first, last = [], [], None, None
+    steps, scores, means, first, last = [], [], [], None, None
     for event in LegacyEventFileLoader(str(path)).Load():
         first = event.wall_time if first is None else first
         last = event.wall_time
@@ -394,11 +403,11 @@ def read_sitting(path: Path) -> Sitting:
             if value.WhichOneof("value") != "simple_value":
                 continue
             steps.append((event.step, event.wall_time))
-            if value.tag == SCORE_TAG and math.isfinite(value.simple_value):
-                scores.append((event.step, value.simple_value))
+            if value.tag in (SCORE_TAG, RING_TAG) and math.isfinite(value.simple_value):
+                (scores if value.tag == SCORE_TAG else means).append((event.step, value.simple_value))
     if first is None:
-        return Sitting(0.0, 0.0, [], [])
-    return Sitting(first, last - first, steps, scores)
+        return Sitting(0.0, 0.0, [], [], [])
+    return Sitting(first, last - first, steps, scores, means)
 
 
 @dataclass
@@ -412,6 +421,8 @@ class Record:
     """Training time at each logged scalar, steps in order."""
     end: int
     """The step the run is known to have reached."""
+    averaged: bool = False
+    """Each score is already the mean of the last 100 (ppo_jax.py's `charts/episodic_return_last_100`)."""
 
 
 def event_files(directory: Path) -> list[Path]:
@@ -421,6 +432,13 @@ def event_files(directory: Path) -> list[Path]:
 def read_record(directory: Path, schedule: int) -> Record:
     """The scores and the training time of a run directory's events, all its sittings assembled."""
     sittings = sorted((read_sitting(path) for path in event_files(directory)), key=lambda sitting: sitting.start)
+    # ppo_jax.py's means of its last 100 episodes, where every sitting that logged a score logged them
+    # (a run resumed from a checkpoint older than them starts its last 100 afresh; its updates' own
+    # means are read instead).
+    averaged = any(sitting.means for sitting in sittings) and all(sitting.means or not sitting.scores
+                                                                   for sitting in sittings)
+    if averaged:
+        sittings = [replace(sitting, scores=sitting.means) for sitting in sittings]
     scores: list[tuple[int, float]] = []
     times: list[tuple[int, float]] = []
     offset = 0.0
@@ -442,11 +460,13 @@ def read_record(directory: Path, schedule: int) -> Record:
     if batch is not None and end + batch > schedule:
         end = max(end, schedule)
     return Record([step for step, _ in scores], [score for _, score in scores],
-                  [step for step, _ in times], [seconds for _, seconds in times], end)
+                  [step for step, _ in times], [seconds for _, seconds in times], end, averaged)
 
 
 def score_at(record: Record, step: int, window: int) -> float | None:
-    """The mean of the last `window` scores logged at or before `step`; None without one or past the run's end."""
+    """The mean of the last `window` scores logged at or before `step` (the last one, where each is already
+    the mean of the last 100); None without one or past the run's end."""
+    window = 1 if record.averaged else window
     if record.end < step:
         return None
     count = bisect.bisect_right(record.score_steps, step)
@@ -595,6 +615,8 @@ def draw_curve(axes, x: list[float], curve: Curve) -> None:
 def y_label(task: Task, window: int) -> str:
     if task.unit == "updates":
         return f"{task.score} (mean of the last {window} updates' episode means)"
+    if task.script == "ppo_jax.py":
+        return f"{task.score} (mean of the last 100 {task.unit})"
     return f"{task.score} (mean of the last {window} {task.unit})"
 
 
@@ -769,6 +791,10 @@ def main(argv: list[str] | None = None) -> int:
             for seed in task.seeds:
                 train_seed(task, seed, runs)
         records = records_of(task, runs, task.seeds)
+        if any(record.scores and not record.averaged for record in records.values()) and task.script == "ppo_jax.py":
+            print(f"{task.name}: these runs predate ppo_jax.py's mean of its last 100 episodes; "
+                  f"each point is the mean of the last {args.window} updates' episode means", file=sys.stderr)
+            task = replace(task, unit="updates")
         csv_path = results / f"{task.name}.csv"
         if records:
             curve = make_curve(records, task.budget, args.points, args.window)

@@ -20,10 +20,12 @@ sys.modules["learning_curves"] = curves  # dataclasses look their module up whil
 spec.loader.exec_module(curves)
 
 
-def write_sitting(directory, updates, seconds_per_update=1.0):
+def write_sitting(directory, updates, seconds_per_update=1.0, means=None):
     """One sitting of a run, as the scripts log it: a new event file in `directory`, and for each
     `(step, scores)` of `updates` the scores under charts/episodic_return and a loss, all at the
-    update's step. Update k is logged `k * seconds_per_update` seconds after the file's first event."""
+    update's step, and, as ppo_jax.py does, `means[step]` (where given) under
+    charts/episodic_return_last_100. Update k is logged `k * seconds_per_update` seconds after the
+    file's first event."""
     directory.mkdir(parents=True, exist_ok=True)
     before = set(directory.glob("events.out.tfevents.*"))
     writer = SummaryWriter(str(directory))
@@ -32,6 +34,9 @@ def write_sitting(directory, updates, seconds_per_update=1.0):
     for k, (step, scores) in enumerate(updates, start=1):
         for score in scores:
             writer.add_scalar("charts/episodic_return", score, step, walltime=opened + k * seconds_per_update)
+        if means and step in means:
+            writer.add_scalar("charts/episodic_return_last_100", means[step], step,
+                              walltime=opened + k * seconds_per_update)
         writer.add_scalar("losses/value_loss", 0.5, step, walltime=opened + k * seconds_per_update)
     writer.close()
 
@@ -98,7 +103,8 @@ def test_each_agent_of_a_ppo_jax_run_is_a_curve_and_their_mean_is_not_read(tmp_p
     run_dir = tmp_path / "jax" / "seed-1"
     write_sitting(run_dir, [(100 * u, [999.0]) for u in range(1, 6)])  # the mean over agents
     for agent in [0, 2, 10]:
-        # ppo_jax.py logs, per update, the mean return of the episodes that ended in it.
+        # ppo_jax.py logs, per update, the mean return of the episodes that ended in it (and, since it
+        # keeps them, the mean of its last 100: not here, as in a run from before).
         write_sitting(run_dir / f"agent-{agent}", [(100 * u, [float(agent + u)]) for u in range(1, 6)])
     records = curves.records_of(task, tmp_path, [1])
     assert list(records) == ["seed_1_agent_0", "seed_1_agent_2", "seed_1_agent_10"]
@@ -107,6 +113,24 @@ def test_each_agent_of_a_ppo_jax_run_is_a_curve_and_their_mean_is_not_read(tmp_p
     assert [curve.scores[name][0] for name in records] == [4.0, 6.0, 14.0]  # updates 3, 4, 5 of each agent
     assert curve.mean == [8.0]
     assert curves.describe_curves(list(records)) == "3 agents of seed 1"
+
+
+def test_a_ppo_jax_point_is_its_own_mean_of_the_last_100_episodes(tmp_path):
+    # Updates 1 to 6 log their episodes' mean (u) and the mean of the last 100 (10 u), but not update
+    # 4, in which no episode ended: a point is the last mean of the last 100 logged up to it,
+    # whatever the window.
+    means = {100 * u: 10.0 * u for u in (1, 2, 3, 5, 6)}
+    write_sitting(tmp_path / "one", [(100 * u, [float(u)] if u != 4 else []) for u in range(1, 7)], means=means)
+    record = curves.read_record(tmp_path / "one", 10_000)
+    assert record.averaged
+    assert [curves.score_at(record, step, window) for step, window in [(100, 100), (300, 100), (450, 2), (600, 100)]] \
+        == [10.0, 30.0, 30.0, 60.0]
+    # Resumed, after a first sitting without those means (a run from before): the episodes' means are
+    # read throughout, averaged over the window.
+    write_sitting(tmp_path / "two", [(100 * u, [float(u)]) for u in range(1, 4)])
+    write_sitting(tmp_path / "two", [(100 * u, [float(u)]) for u in range(4, 7)], means=means)
+    record = curves.read_record(tmp_path / "two", 10_000)
+    assert not record.averaged and curves.score_at(record, 600, 3) == 5.0
 
 
 def two_seeds(tmp_path):

@@ -209,6 +209,10 @@ def test_a_short_breakout_run(trained):
     assert dict(logged["charts/clip_range"])[128] == pytest.approx(0.1)  # the Atari preset
     # Whole games cut at 200 frames, no no-ops: 200 frames each.
     assert [length for _, length in logged["charts/episodic_length"]] == [200.0]
+    # Four games so far, one per env, all ended in one step: the mean of the last 100 is theirs, and
+    # the progress line shows it.
+    assert logged["charts/episodic_return_last_100"] == logged["charts/episodic_return"]
+    assert "(mean of last 4 games)" in result.stderr
     checkpoint = read_checkpoint(run_dir / "checkpoint.msgpack")
     assert checkpoint["update"] == 2 and checkpoint["global_step"] == 256 and checkpoint["env_id"] == BREAKOUT
     assert checkpoint["runners"]["agent"]["params"]["params"]["policy"]["kernel"].shape == (1, 512, 4)

@@ -18,7 +18,7 @@ from conftest import ROOT
 from ppo_jax_runs import SCRIPT, Watched, environment, read_checkpoint, run, scalars  # noqa: F401 (fixtures)
 from videos import assert_plays
 
-TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/clip_range",
+TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/episodic_return_last_100", "charts/learning_rate", "charts/clip_range",
         "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/clipfrac",
         "losses/explained_variance"]
 
@@ -362,3 +362,40 @@ def test_a_nan_names_its_update_and_keeps_the_last_good_checkpoint(tmp_path, mon
     monkeypatch.undo()
     assert ppo_jax.main(["--eval", str(tmp_path / "checkpoint.msgpack"), "--eval-episodes", "2"]) == 0
     assert float(capsys.readouterr().out.split("return ")[1].split(" ")[0]) > 0  # the good checkpoint plays
+
+
+def test_each_update_reports_the_mean_return_of_the_last_100_episodes():
+    # Updates of a CartPole agent, each rollout's episodes read beside it (`collect` of the same
+    # runner plays the very rollout that `update` learns from), against a plain list of returns.
+    config = ppo_jax.Config(num_envs=16, num_steps=32, total_timesteps=16 * 32 * 12)
+    training = ppo_jax.make_train(config)
+    collect, update = jax.jit(training.collect), jax.jit(training.update)
+    runner = jax.jit(training.init)(jax.random.key(5))
+    everything = []
+    for _ in range(12):
+        _, _, (ended, returns, lengths) = collect(runner)
+        runner, metrics = update(runner)
+        ended, returns = np.asarray(ended).reshape(-1), np.asarray(returns).reshape(-1)
+        everything += list(returns[ended])
+        assert int(runner.episodes) == len(everything)
+        np.testing.assert_allclose(metrics["recent_return"], np.mean(everything[-100:]), rtol=1e-6)
+    assert len(everything) > 100  # the ring has wrapped
+
+
+def test_the_last_100_episodes_are_logged_and_resume_with_the_run(trained, run, tmp_path):
+    run_dir, result = trained
+    checkpoint = read_checkpoint(run_dir / "checkpoint.msgpack")
+    runners = checkpoint["runners"]
+    for agent in range(2):
+        logged = scalars(run_dir / f"agent-{agent}")["charts/episodic_return_last_100"]
+        count = min(int(runners["episodes"][agent]), 100)
+        assert logged[-1][1] == pytest.approx(runners["recent_returns"][agent][:count].mean(), rel=1e-6)
+    assert "(mean of last 100 episodes)" in result.stderr
+    # A checkpoint written before the ring existed still resumes: its ring starts empty.
+    del runners["recent_returns"], runners["episodes"]
+    old = tmp_path / "old.msgpack"
+    old.write_bytes(flax.serialization.msgpack_serialize(checkpoint))
+    result = run("--resume", old, "--total-timesteps", 5120, "--run-dir", tmp_path / "resumed")
+    assert result.returncode == 0, result.stderr
+    resumed = read_checkpoint(tmp_path / "resumed" / "checkpoint.msgpack")["runners"]
+    assert 0 < resumed["episodes"].min() < 100  # the episodes of four updates, counted from 0

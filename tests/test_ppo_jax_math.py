@@ -313,3 +313,22 @@ def test_an_agent_among_others_starts_from_the_weights_it_has_alone(env):
         alone = jax.jit(training.init)(keys[agent]).agent.params
         for a, b in zip(jax.tree.leaves(together), jax.tree.leaves(alone)):
             np.testing.assert_array_equal(a[agent], b)
+
+
+def test_the_ring_holds_the_returns_of_the_last_100_episodes():
+    # Batches of steps in which some episodes end, one batch of more than 100 among them, against a
+    # plain list of every episode's return: after each batch the ring holds the last 100 of them.
+    rng = np.random.default_rng(0)
+    ring, count, everything = jnp.zeros(ppo_jax.SCORE_WINDOW), jnp.array(0, jnp.int32), []
+    assert np.isnan(ppo_jax.mean_of_ring(ring, count))
+    for size, chance in [(8, 0.3), (40, 0.5), (300, 0.8), (16, 0.0), (64, 0.2), (5, 1.0)]:
+        ended, returns = rng.random(size) < chance, rng.normal(size=size).astype(np.float32)
+        ring, count = ppo_jax.remember_episodes(ring, count, *as_jax(ended, returns))
+        everything += list(returns[ended])
+        last = everything[-ppo_jax.SCORE_WINDOW:]
+        assert int(count) == len(everything)
+        assert sorted(np.asarray(ring)[:len(last)].tolist()) == sorted(last)
+        # The n-th episode is at n % 100: the newest just before the slot the next one takes.
+        if last:
+            assert np.asarray(ring)[(len(everything) - 1) % ppo_jax.SCORE_WINDOW] == last[-1]
+        np.testing.assert_allclose(ppo_jax.mean_of_ring(ring, count), np.mean(last), rtol=1e-6)
