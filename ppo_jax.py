@@ -881,13 +881,13 @@ class Training(NamedTuple):
 
 
 # The score of a run is the mean return of its last 100 episodes (on Atari: the real scores of its
-# last 100 whole games), what `ppo_atari.py` shows and what published curves plot. `ppo_atari.py`
-# logs each game's score as it ends, and the mean is taken afterwards. A compiled update cannot
-# hand out a list whose length changes from one update to the next, so the program keeps the last
-# 100 returns itself, in a fixed array used as a ring: the `n`-th episode to end is written at
-# `n % 100`, over the one that ended 100 episodes before it. Every update then reports the ring's
-# mean (`charts/episodic_return_last_100`) beside the mean of its own episodes
-# (`charts/episodic_return`, as PureJaxRL and CleanRL's JAX scripts log it).
+# last 100 whole games), as this project's learning curves and the published ones score it.
+# `ppo_atari.py` logs each game's score as the game ends, and the mean is taken afterwards. A
+# compiled update cannot hand out a list whose length changes from one update to the next, so the
+# program keeps the last 100 returns itself, in a fixed array used as a ring: the `n`-th episode to
+# end is written at `n % 100`, over the one that ended 100 episodes before it. Every update in
+# which an episode ended then logs the ring's mean (`charts/episodic_return_last_100`) beside the
+# mean of its own episodes (`charts/episodic_return`).
 
 SCORE_WINDOW = 100
 
