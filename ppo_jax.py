@@ -34,7 +34,9 @@ What JAX changes about writing RL, as this page meets it:
   run becomes `num_seeds` of them, by the same transformation.
 * **Compile once, for one shape.** A new shape compiles again, so shapes are fixed everywhere:
   evaluation steps every game, finished or not; the last, shorter chunk of a run skips its extra
-  updates with `lax.cond` instead of compiling a shorter program.
+  updates with `lax.cond` instead of compiling a shorter program; and since each update ends a
+  different number of episodes, the returns of the last 100, the run's score, are kept in a ring of
+  100 slots rather than in a list.
 * **The host is far away.** A compiled run cannot write a TensorBoard event or a checkpoint, and
   a Ctrl-C cannot reach it: the command line runs it a chunk (two seconds' worth of updates or so)
   at a time and does those between.

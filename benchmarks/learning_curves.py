@@ -700,7 +700,9 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--name", help="a task of your own: its name, for its runs and files (default: <script>-<env>)")
     flag("--budget", type=parse_steps, help="stop each run at this step (default: the task's; at most the schedule)")
     flag("--seeds", type=int, nargs="+", help="the seeds to run, one process each (default: the task's)")
-    flag("--window", type=int, default=100, help="scores averaged at each point of the curve (default: 100)")
+    flag("--window", type=int, default=100,
+         help="scores averaged at each point of the curve (default: 100; ppo_jax.py's runs average their last 100 "
+              "themselves)")
     flag("--points", type=int, default=100, help="points of the curve, evenly spaced up to the budget (default: 100)")
     flag("--runs", type=Path, default=ROOT / "runs" / "curves", help="where the runs go (default: runs/curves)")
     flag("--results", type=Path, default=ROOT / "benchmarks" / "results",
