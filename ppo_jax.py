@@ -55,13 +55,13 @@ mean return of each one's last 100 episodes at 500 from about 360k steps on.
 Pendulum-v1 with its preset, observations and rewards normalised: twelve agents between -128 and
 -164 after 1M steps each, each past -250 within 94,000 steps (Part 3 has the table).
 
-![ppo_jax.py on Breakout-MinAtar: the mean return of 4 agents, trained side by side in one compiled program, climbs to 33 at 2M steps and 49.6 at 10M, the agents ending between 28.9 and 74.0; PureJaxRL's end, about 40, is drawn as a dashed line](benchmarks/results/minatar-breakout-jax.png)
+![ppo_jax.py on Breakout-MinAtar: the mean return of the last 100 episodes of 4 agents, trained side by side in one compiled program, climbs to 35 at 2M steps, passes 40 at 5.3M and reaches 50.2 at 10M, the agents ending between 28.8 and 75.2; PureJaxRL's end, about 40, is drawn as a dashed line](benchmarks/results/minatar-breakout-jax.png)
 
 `python benchmarks/learning_curves.py minatar-breakout-jax` made the Breakout-MinAtar curve: four
-agents of seed 1, 10M steps each with the MinAtar preset, end at a mean return of 49.6 (28.9 to
-74.0), against about 40 at the end of PureJaxRL's run; 49 minutes for the four together on 2 CPU
-cores. With the preset's former learning rate, 5e-4, three of the same four stalled at 7 (Part 3,
-beside the presets).
+agents of seed 1, 10M steps each with the MinAtar preset, end at a mean return of 50.2 over their
+last 100 episodes (28.8 to 75.2), against about 40 at the end of PureJaxRL's run; 47 minutes for
+the four together on 2 CPU cores. With the preset's former learning rate, 5e-4, three of the same
+four stalled at 7 (Part 3, beside the presets).
 
 ![ppo_jax.py on Atari Breakout, seeds 1 and 2 with the 10M-step schedule to 1M steps: the mean score climbs from about 1 to 14.5 at 500k and 24.6 at 1M, the two seeds shaded between them; ppo_atari.py's mean over its seeds 1 and 2, 21.5 at 1M, is drawn dotted beside it, and CleanRL's 20 at 1M as a point](benchmarks/results/breakout-jax.png)
 
@@ -1278,8 +1278,8 @@ RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.n
 # paper's CNN). The learning rate is what matters. This preset first had 5e-4. On Breakout-MinAtar, four agents
 # (seed 1, the 10M-step schedule) then stalled: three of them at a return of 7 from 2M steps on,
 # the fourth at 28.7 by 4.8M, when the run was stopped (a mean of 12.3). With 5e-3 the same four
-# were at 22.5 to 48.5 by 2M steps (the curves: `minatar-lr5e-4` and `minatar-breakout-jax` in
-# `benchmarks/results/`), and ended at 28.9 to 74.0 after 10M, a mean of 49.6, against about 40
+# were at 24.4 to 47.5 by 2M steps (the curves: `minatar-lr5e-4` and `minatar-breakout-jax` in
+# `benchmarks/results/`), and ended at 28.8 to 75.2 after 10M, a mean of 50.2, against about 40
 # at the end of PureJaxRL's run.
 #
 # Pendulum's were found here, in the style of rl-zoo's (a short discount, large
