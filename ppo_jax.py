@@ -908,10 +908,9 @@ def remember_episodes(ring: jax.Array, count: jax.Array, ended: jax.Array,
 
 
 def mean_of_ring(ring: jax.Array, count: jax.Array) -> jax.Array:
-    """The mean of the `min(count, size)` returns written into `ring` so far; NaN before the first."""
+    """The mean of the `min(count, size)` returns written into `ring` so far; NaN (0 / 0) before the first."""
     filled = jnp.arange(ring.shape[0]) < count
-    return jnp.where(count > 0, jnp.where(filled, ring, 0.0).sum() / jnp.maximum(jnp.minimum(count, ring.shape[0]), 1),
-                     jnp.nan)
+    return jnp.where(filled, ring, 0.0).sum() / filled.sum()
 
 
 def make_train(config: Config, env_id: str | None = None) -> Training:
@@ -1805,18 +1804,14 @@ class Progress:
         self.interactive = sys.stderr.isatty()
         self.restart()
 
-    def score_of(self, rings: np.ndarray, counts: np.ndarray) -> None:
-        """The line's return from the agents' rings of recent returns (`[agents, SCORE_WINDOW]`, `[agents]`).
-
-        Each agent's mean over its last 100 episodes (or all it has finished, while fewer), averaged
-        over the agents that finished one.
-        """
-        filled = np.minimum(counts, rings.shape[-1])
-        started = filled > 0
-        if started.any():
-            means = [ring[:n].mean() for ring, n in zip(rings[started], filled[started])]
-            low, high = filled[started].min(), filled[started].max()
-            self.score = f"{np.mean(means):.1f} (mean of last {low if low == high else f'{low}-{high}'} {self.unit})"
+    def score_of(self, recent_returns: np.ndarray, episodes: np.ndarray) -> None:
+        """The line's return: the agents' means of their last 100 episodes (the update's `recent_return`,
+        `[agents]`), averaged over the agents that finished one; `episodes`, how many each has finished."""
+        counted = np.minimum(episodes, SCORE_WINDOW)[episodes > 0]
+        if counted.size:
+            low, high = counted.min(), counted.max()
+            self.score = (f"{mean_over_agents(recent_returns):.1f} "
+                          f"(mean of last {low if low == high else f'{low}-{high}'} {self.unit})")
 
     def restart(self) -> None:
         """Count speed from now on (after compiling, say)."""
@@ -2203,7 +2198,6 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, stop
     update = int(runners.update[0])
     progress = Progress(run.total_steps, update * config.batch_size, config.num_seeds,
                         unit="games" if isinstance(training.env, AtariEnv) else "episodes")
-    progress.score_of(np.asarray(runners.recent_returns), np.asarray(runners.episodes))
 
     print(describe_devices(mesh, config.num_seeds), file=sys.stderr)
     started = time.perf_counter()
@@ -2231,7 +2225,7 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, stop
             log_gymnax_updates(run, metrics, update, config.batch_size,
                                count * config.batch_size * config.num_seeds / seconds)
             update += count
-            progress.score_of(np.asarray(runners.recent_returns), np.asarray(runners.episodes))
+            progress.score_of(metrics["recent_return"][-1], np.asarray(runners.episodes))
             progress.show(update * config.batch_size)
             if update % config.checkpoint_every == 0:
                 save()
