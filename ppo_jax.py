@@ -53,7 +53,7 @@ agents side by side gain little from `vmap` (sixteen ran at 181,000 steps a seco
 `python benchmarks/learning_curves.py cartpole-jax` made the curve: sixteen agents of seed 1, the
 mean return of each one's last 100 episodes at 500 from about 360k steps on.
 Pendulum-v1 with its preset, observations and rewards normalised: twelve agents between -128 and
--164 after 1M steps each, each past -250 within 94,000 steps (Part 3 has the table).
+-166 after 1M steps each, each past -250 within 94,000 steps (Part 3 has the table).
 
 ![ppo_jax.py on Breakout-MinAtar: the mean return of the last 100 episodes of 4 agents, trained side by side in one compiled program, climbs to 35 at 2M steps, passes 40 at 5.3M and reaches 50.2 at 10M, the agents ending between 28.8 and 75.2; PureJaxRL's end, about 40, is drawn as a dashed line](benchmarks/results/minatar-breakout-jax.png)
 
@@ -1290,22 +1290,23 @@ RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.n
 # 1M steps; its steps to -250, the steps it took until the mean return of an update's episodes first
 # reached -250. Each run is four agents, `python ppo_jax.py --env Pendulum-v1 --num-seeds 4 --seed S`
 # for S = 1, 2 (and 3 in three rows), with `--learning-rate` and `--clip-value-loss` as the row says
-# (the first row is the code before the normalisers), on this project's 2-core CPU:
+# (the first row: this file with the `Normalizer` left out of `init`, which trains as the code before
+# the normalisers did, to the same steps to -250), on this project's 2-core CPU:
 #
 # | observations, rewards | rate | value loss | return of each agent, by seed | mean, by seed | steps to -250 (thousands) |
 # |---|---|---|---|---|---|
-# | raw | 1e-3 | clipped | -147, -159, -168, -158; -159, -133, -154, -158; -164, -161, -162, -173 | -157.7; -151.2; -165.0 | 319, 258, 229, 291; 229, 172, 238, 184; 274, 242, 344, 242 |
-# | normalised | 1e-3 | clipped | -150, -158, -591, -889; -156, -508, -149, -156 | -447.1; -242.5 | 356, 98, 803, 209; 98, never, 102, 90 |
-# | normalised | 1e-3 | not clipped | -143, -160, -812, -161; -152, -310, -151, -157; -169, -1048, -159, -168 | -318.8; -192.3; -385.8 | 57, 61, 131, 139; 70, never, 70, 70; 262, 209, 61, 283 |
-# | normalised | 3e-4 | clipped | -143, -162, -163, -164; -151, -127, -150, -158 | -157.7; -146.6 | 106, 131, 111, 152; 119, 106, 123, 115 |
-# | normalised | 3e-4 | not clipped (the preset) | -146, -159, -163, -160; -149, -128, -150, -156; -159, -156, -155, -164 | -156.9; -145.9; -158.0 | 94, 78, 78, 78; 78, 86, 78, 90; 86, 82, 70, 74 |
+# | raw | 1e-3 | clipped | -145, -156, -164, -154; -161, -133, -155, -159; -168, -159, -163, -175 | -154.8; -151.8; -166.2 | 319, 258, 229, 291; 229, 172, 238, 184; 274, 242, 344, 242 |
+# | normalised | 1e-3 | clipped | -149, -155, -586, -876; -158, -510, -150, -156 | -441.6; -243.7 | 356, 98, 803, 209; 98, never, 102, 90 |
+# | normalised | 1e-3 | not clipped | -142, -157, -807, -157; -154, -310, -152, -158; -173, -1049, -160, -171 | -315.8; -193.3; -388.2 | 57, 61, 131, 139; 70, never, 70, 70; 262, 209, 61, 283 |
+# | normalised | 3e-4 | clipped | -142, -158, -159, -160; -152, -127, -151, -158 | -154.8; -147.2 | 106, 131, 111, 152; 119, 106, 123, 115 |
+# | normalised | 3e-4 | not clipped (the preset) | -143, -156, -159, -156; -150, -128, -151, -157; -161, -154, -156, -166 | -153.6; -146.4; -159.4 | 94, 78, 78, 78; 78, 86, 78, 90; 86, 82, 70, 74 |
 #
 # At the rate found for raw observations, normalised agents fail: three of twelve unclipped (three
 # of eight clipped) settle into swinging the pendulum round and round, one way (the running mean
 # of their angular velocity is 1.3 to 2.3, against at most 0.5 for the others), or lose what they
 # had learned, which none of the raw ones did. At 3e-4 all twenty learn and end where the raw
 # agents end; unclipped, they reach -250 in about a third of the raw agents' steps. There the clip
-# changes the final returns by less than a point and takes half as many steps again to reach -250,
+# changes the final returns by about a point and takes half as many steps again to reach -250,
 # and the preset leaves it off.
 #
 # MountainCarContinuous-v0 learns nothing, raw or normalised: in four runs of four agents
