@@ -63,13 +63,13 @@ last 100 episodes (28.8 to 75.2), against about 40 at the end of PureJaxRL's run
 the four together on 2 CPU cores. With the preset's former learning rate, 5e-4, three of the same
 four stalled at 7 (Part 3, beside the presets).
 
-![ppo_jax.py on Atari Breakout, seeds 1 and 2 with the 10M-step schedule to 1M steps: the mean score climbs from about 1 to 14.5 at 500k and 24.6 at 1M, the two seeds shaded between them; ppo_atari.py's mean over its seeds 1 and 2, 21.5 at 1M, is drawn dotted beside it, and CleanRL's 20 at 1M as a point](benchmarks/results/breakout-jax.png)
+![ppo_jax.py on Atari Breakout, seeds 1 and 2 with the 10M-step schedule to 1M steps: the mean score of the last 100 games climbs from about 1 to 14.8 at 500k and 23.2 at 1M, the two seeds shaded between them; ppo_atari.py's mean over its seeds 1 and 2, 21.5 at 1M, is drawn dotted beside it, and CleanRL's 20 at 1M as a point](benchmarks/results/breakout-jax.png)
 
 `python benchmarks/learning_curves.py breakout-jax --budget 1M --seeds 1 2` made the Atari curve:
 Breakout with every default, the 10M-step schedule stopped at 1M steps, seeds 1 and 2. It learns
-as `ppo_atari.py` does: a mean of 14.5 at 500k steps and 24.6 at 1M (whole games' real scores, over
-the last 100 updates in which one ended), against 14.1 and 21.5 for `ppo_atari.py`'s two seeds and
-about 20 at 1M for CleanRL.
+as `ppo_atari.py` does: the real scores of the last 100 whole games average 14.8 at 500k steps and
+23.2 at 1M (27.4 and 19.0), against 14.1 and 21.5 for `ppo_atari.py`'s two seeds and about 20 at
+1M for CleanRL.
 
 Atari Breakout, its games stepped inside the compiled program (Part 2): 250 steps a second against 333
 for `ppo_atari.py` in float32, measured one after the other on an AMD EPYC (490 for
