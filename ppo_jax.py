@@ -1276,7 +1276,7 @@ RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.n
 # its networks are two separate MLPs of 64 units on the flattened grid, where ours is the MinAtar
 # paper's CNN). The learning rate is what matters. This preset first had 5e-4. On Breakout-MinAtar, four agents
 # (seed 1, the 10M-step schedule) then stalled: three of them at a return of 7 from 2M steps on,
-# the fourth at 28.7 by 4.8M, when the run was stopped (a mean of 12.3). With 5e-3 the same four
+# the fourth at 28.9 by 4.8M, when the run was stopped (a mean of 12.3). With 5e-3 the same four
 # were at 24.4 to 47.5 by 2M steps (the curves: `minatar-lr5e-4` and `minatar-breakout-jax` in
 # `benchmarks/results/`), and ended at 28.8 to 75.2 after 10M, a mean of 50.2, against about 40
 # at the end of PureJaxRL's run.
