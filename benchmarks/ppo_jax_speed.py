@@ -7,10 +7,11 @@
     exit: Python's start, imports, compilation, training, TensorBoard events and checkpoints.
 (c) Atari: agent steps per second of ppo_jax.py's compiled iteration (ale-py's vector env stepped
     inside the program) beside ppo_atari.py's trainer (worker processes), with the same settings
-    (Breakout, 8 games x 128 steps, the default update); ppo_jax.py's iteration is one program, so
-    its rollout (games and inference) and its update are also timed as programs of their own. And
-    the games alone, random actions, no network: ppo_jax.py's `AtariEnv` in a compiled scan against
-    ppo_atari.py's `Workers`.
+    (Breakout, 8 games x 128 steps, the default update); ppo_atari.py twice, in its default
+    precision (bfloat16 on a CPU that has it) and in float32, the precision ppo_jax.py computes in.
+    ppo_jax.py's iteration is one program, so its rollout (games and inference) and its update are
+    also timed as programs of their own. And the games alone, random actions, no network:
+    ppo_jax.py's `AtariEnv` in a compiled scan against ppo_atari.py's `Workers`.
 
 The kinds of measurement alternate, `--repeats` times, and medians are reported, so that a noisy
 neighbour on a shared machine hits all alike; the load average is printed with each result.
@@ -116,8 +117,9 @@ def measure_atari(script: str, iterations: int, warmup: int) -> dict:
 
     import ppo_atari as module
 
+    script, _, precision = script.partition(":")
     env_id = module.resolve_env_id("Breakout")
-    config = module.RunConfig(env=env_id, num_envs=8)
+    config = module.RunConfig(env=env_id, num_envs=8, precision=precision or "auto")
     num_workers = min(config.num_envs, len(os.sched_getaffinity(0)))
     with module.Workers(env_id, config.num_envs, num_workers, 1, module.game_options(config)) as envs:
         torch.manual_seed(1)
@@ -137,7 +139,8 @@ def measure_atari(script: str, iterations: int, warmup: int) -> dict:
                 per_iteration.append(time.perf_counter() - started)
                 splits.append({name: timed[name] - before[name] for name in timed})
     seconds = statistics.median(per_iteration)
-    return {"script": script, "sps": config.batch_size / seconds, "seconds_per_iteration": seconds,
+    return {"script": script, "precision": "bf16" if trainer.model.bf16 else "fp32",
+            "sps": config.batch_size / seconds, "seconds_per_iteration": seconds,
             "rollout_s": float(np.median([s["sampling"] for s in splits])),
             "env_s": float(np.median([s["env"] for s in splits])),
             "update_s": float(np.median([s["update"] for s in splits]))}
@@ -234,7 +237,8 @@ def main() -> None:
     if args.part in ("process", "all"):
         kinds += [("process", str(seeds)) for seeds in args.seeds]
     if args.part in ("atari", "all"):
-        kinds += [("atari", "ppo_jax"), ("atari", "ppo_atari"), ("games", "ppo_jax"), ("games", "ppo_atari")]
+        kinds += [("atari", "ppo_jax"), ("atari", "ppo_atari"), ("atari", "ppo_atari:fp32"),
+                  ("games", "ppo_jax"), ("games", "ppo_atari")]
     for _ in range(args.repeats):
         for kind in kinds:
             results.setdefault(" ".join(kind), []).append(in_fresh_process(*kind, "--iterations", str(args.iterations),
@@ -256,7 +260,9 @@ def main() -> None:
             print(f"(c) {value}'s games alone ({what}), Breakout, 8 games, random actions: "
                   f"{median_of(runs, 'sps'):,.0f} agent steps/s   [load {loads}]")
         else:
-            env = f" (of which the games {median_of(runs, 'env_s'):.2f})" if value == "ppo_atari" else ""
+            env = f" (of which the games {median_of(runs, 'env_s'):.2f})" if value.startswith("ppo_atari") else ""
+            if value.startswith("ppo_atari"):
+                value = f"ppo_atari, its torso in {runs[0]['precision']}"
             print(f"(c) {value} on Breakout, 8 games x 128 steps: {median_of(runs, 'sps'):,.0f} SPS | per iteration "
                   f"{median_of(runs, 'seconds_per_iteration'):.2f} s; rollout {median_of(runs, 'rollout_s'):.2f} s"
                   f"{env}, update {median_of(runs, 'update_s'):.2f} s   [load {loads}]")
