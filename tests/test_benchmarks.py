@@ -1,6 +1,7 @@
 """The benchmark scripts still run. They measure speed; these tests only check they produce numbers."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -18,3 +19,44 @@ def test_throughput_benchmark_runs(tmp_path):
     (run,) = results["train"]
     assert run["precision"] == "fp32" and run["sps"] > 0
     assert run["env_seconds"] + run["inference_seconds"] + run["update_seconds"] <= run["seconds_per_iteration"] * 1.01
+
+
+def test_ppo_jax_speed_measures_ppo_atari_in_the_precision_asked_for():
+    # The Atari comparison runs ppo_atari.py twice, in its default precision and in float32; this
+    # checks the float32 one really is float32 and that its split adds up.
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ppo_jax_speed.py"), "--measure", "atari",
+                             "ppo_atari:fp32", "--iterations", "1", "--warmup", "0"],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr
+    run = json.loads(result.stdout.strip().splitlines()[-1])
+    assert run["script"] == "ppo_atari" and run["precision"] == "fp32" and run["sps"] > 0
+    assert run["rollout_s"] + run["update_s"] <= run["seconds_per_iteration"] * 1.01
+
+
+def test_ppo_jax_profile_accounts_for_the_update(tmp_path):
+    # The split comes from profiler events matched to the compiled program: if the matching broke
+    # (another jaxlib's names), most of the update would go unaccounted for, or nothing would be
+    # called a window copy.
+    out = tmp_path / "split.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ppo_jax_profile.py"), "--json", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    profile = json.loads(out.read_text())
+    accounted = sum(profile["split_ms"].values()) / 1e3
+    assert 0.5 * profile["seconds"] < accounted <= 1.01 * profile["seconds"]
+    assert profile["split_ms"]["building the windows: the first layer's"] > 0
+
+
+def test_ppo_jax_profile_times_both_convolutions_and_puts_ppo_jax_back():
+    code = ("import json, ppo_jax, ppo_jax_profile\n"
+            "ours = ppo_jax.Convolution\n"
+            "seconds = ppo_jax_profile.time_convolutions(num_frames=4, repeats=1)\n"
+            "print(json.dumps({'restored': ppo_jax.Convolution is ours, 'seconds': [[*k, v] for k, v in seconds.items()]}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])})
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["restored"]
+    assert {(name, where) for name, where, _ in out["seconds"]} == {
+        (name, where) for name in ("nn.Conv", "Convolution") for where in ("alone", "in a scan")}
+    assert all(seconds > 0 for *_, seconds in out["seconds"])

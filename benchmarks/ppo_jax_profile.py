@@ -1,0 +1,184 @@
+"""Where the time of ppo_jax.py's Atari update goes: one update profiled, its time split by kind of work.
+
+The update of one iteration (Breakout, the default settings: 8 games x 128 steps, 4 epochs of 4
+minibatches of 256 frames) is compiled, run twice to warm up, and run once more under
+`jax.profiler`. The profile names each operation of the compiled program as it runs, and the
+program's own text says what each one computes: a product of the forward pass, a product of the
+backward pass, a copy that builds the windows of a convolution (`patches` in ppo_jax.py), and so on.
+The operations run one after another, each spread over the cores, so their times add up to the
+update's. One kind needs care: a product that XLA's CPU backend gives to Eigen rather than to
+YNNPACK runs asynchronously, its event ending as soon as it starts, and its work fills the gap up to
+the next operation's event; each gap is counted to the Eigen product launched last before it. In
+ppo_jax.py's update those are the weight gradients (why: ppo_jax.py's Hardware choices, Part 3).
+
+    python benchmarks/ppo_jax_profile.py
+    python benchmarks/ppo_jax_profile.py --json split.json
+
+With `--convolutions`, it measures instead why ppo_jax.py's convolutions are matrix products: one
+gradient step of the Nature CNN on 256 frames, with flax's `nn.Conv` and with ppo_jax.py's
+`Convolution`, each compiled alone and inside a scan (as the update runs it), medians of 3.
+
+Timings are never asserted in tests; this script is where they are measured. The event names it
+reads are those of jaxlib 0.10.2's CPU runtime, not an API: another version may need this script
+changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# What each kind of operation computes, in the order the table lists them.
+KINDS = ["products, forward (YNNPACK)", "products, backward: input gradients (YNNPACK)",
+         "products, backward: weight gradients (Eigen)", "building the windows: the first layer's",
+         "building the windows: the other layers'", "backward: the windows' gradients folded back, ReLU masks, copies",
+         "everything else"]
+
+
+def kind_of(name: str, text: str) -> str:
+    """The kind of work of the operation `name`, from its line `text` in the compiled program."""
+    op_name = re.search(r'op_name="([^"]*)"', text)
+    op_name = op_name.group(1) if op_name else ""
+    backward = "transpose(" in op_name  # autodiff's transposed (backward) pass
+    if name.startswith("dot."):
+        return KINDS[2] if backward else KINDS[6]
+    if name.startswith("ynn_fusion") and "dot_general" in op_name:
+        return KINDS[1] if backward else KINDS[0]
+    if not backward and re.search(r"Convolution_\d+/(concatenate|slice)", op_name):
+        return KINDS[3] if "Convolution_0/" in op_name else KINDS[4]
+    if backward and op_name.endswith("ActorCritic))/select_n"):  # the network's own, not the optimizer's
+        return KINDS[5]
+    return KINDS[6]
+
+
+def profile_update() -> tuple[dict, float, float, int]:
+    """Profile one update: the milliseconds of each kind of work, the update's seconds, the overlap, and its minibatches."""
+    import jax
+
+    import ppo_jax
+
+    ppo_jax.choose_device("cpu")
+    config = ppo_jax.RunConfig(env=ppo_jax.resolve_env("Breakout")[0], **ppo_jax.PRESETS["Atari"])
+    training = ppo_jax.make_train(config)
+    runner = jax.jit(training.init)(jax.random.key(1))
+    rollout = jax.jit(training.collect)(runner)[1]
+    update = jax.jit(ppo_jax.make_update_agent(training.network, ppo_jax.make_optimizer(config), config))
+    arguments = (runner.agent, rollout, runner.key, 2.5e-4, 0.1)
+    program = {}
+    for line in update.lower(*arguments).compile().as_text().splitlines():
+        match = re.match(r"\s*(?:ROOT )?%(\S+) = ", line)
+        if match:
+            program[match.group(1)] = line
+    for _ in range(2):
+        jax.block_until_ready(update(*arguments))
+    with tempfile.TemporaryDirectory() as directory:
+        jax.profiler.start_trace(directory)
+        started = time.perf_counter()
+        jax.block_until_ready(update(*arguments))
+        seconds = time.perf_counter() - started
+        jax.profiler.stop_trace()
+        (trace,) = Path(directory).rglob("*.xplane.pb")
+        profile = jax.profiler.ProfileData.from_file(str(trace))
+
+    events = sorted((event.start_ns, event.start_ns + event.duration_ns, event.name)
+                    for plane in profile.planes for line in plane.lines if line.name.startswith("tf_XLAEigen")
+                    for event in line.events if event.name in program)
+    split = collections.Counter()
+    end, last_eigen_product, overlap = events[0][0], None, 0
+    for start, stop, name in events:
+        if start > end:  # nothing recorded: an asynchronous Eigen product at work
+            split[kind_of(last_eigen_product, program[last_eigen_product]) if last_eigen_product else KINDS[6]] += start - end
+        overlap += max(0, min(stop, end) - start)
+        if name.startswith("dot."):
+            last_eigen_product = name
+        if stop > max(start, end):
+            split[kind_of(name, program[name])] += stop - max(start, end)
+        end = max(end, stop)
+    minibatches = config.update_epochs * config.num_minibatches
+    return {kind: split[kind] / 1e6 for kind in KINDS}, seconds, overlap / 1e6, minibatches
+
+
+def time_convolutions(num_frames: int = 256, repeats: int = 3) -> dict:
+    """Seconds of one gradient step of the Nature CNN on `num_frames` frames: `{(convolution, where): seconds}`."""
+    import statistics
+
+    import flax.linen as nn
+    import jax
+    import numpy as np
+
+    import ppo_jax
+
+    class FlaxConvolution(nn.Module):
+        features: int
+        kernel: int
+        stride: int = 1
+
+        @nn.compact
+        def __call__(self, x):
+            return nn.Conv(self.features, (self.kernel, self.kernel), strides=self.stride, padding="VALID")(x)
+
+    ppo_jax.choose_device("cpu")
+    frames = jax.numpy.asarray(np.random.default_rng(0).integers(0, 256, (num_frames, 4, 84, 84), dtype=np.uint8))
+    seconds, ours = {}, ppo_jax.Convolution
+    try:
+        for name, convolution in [("nn.Conv", FlaxConvolution), ("Convolution", ours)]:
+            ppo_jax.Convolution = convolution  # the network looks its convolution up by this name
+            network = ppo_jax.NatureActorCritic(4)
+            params = network.init(jax.random.key(0), frames)
+
+            def step(params, frames):
+                def loss(params):
+                    policy, values = network.apply(params, frames)
+                    return policy.logits.sum() + values.sum()
+                return jax.tree.map(lambda p, g: p - 1e-6 * g, params, jax.grad(loss)(params))
+
+            steps_in_scan = 2
+            programs = {"alone": (jax.jit(step), 1),
+                        "in a scan": (jax.jit(lambda params, frames: jax.lax.scan(
+                            lambda params, _: (step(params, frames), None), params, length=steps_in_scan)[0]),
+                            steps_in_scan)}
+            for where, (program, steps) in programs.items():
+                jax.block_until_ready(program(params, frames))
+                timed = []
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    jax.block_until_ready(program(params, frames))
+                    timed.append((time.perf_counter() - started) / steps)
+                seconds[(name, where)] = statistics.median(timed)
+    finally:
+        ppo_jax.Convolution = ours
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="also write the split here")
+    parser.add_argument("--convolutions", action="store_true",
+                        help="time a gradient step with flax's nn.Conv and with Convolution instead")
+    args = parser.parse_args()
+    if args.convolutions:
+        for (name, where), seconds in time_convolutions().items():
+            print(f"one gradient step of the Nature CNN on 256 frames, {name}, {where}: {seconds:.2f} s")
+        return
+    split, seconds, overlap, minibatches = profile_update()
+    profiled = sum(split.values())
+    print(f"ppo_jax.py's update on Breakout, 8 games x 128 steps ({minibatches} minibatches): "
+          f"{seconds:.2f} s under the profiler, {profiled / 1e3:.2f} s of it in the profiled operations "
+          f"(operations overlapping: {overlap:.0f} ms)")
+    print("| kind of work | ms per update | ms per minibatch | share |\n|---|---|---|---|")
+    for kind, milliseconds in split.items():
+        print(f"| {kind} | {milliseconds:.0f} | {milliseconds / minibatches:.1f} | {100 * milliseconds / profiled:.0f}% |")
+    if args.json:
+        args.json.write_text(json.dumps({"seconds": seconds, "overlap_ms": overlap, "split_ms": split}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
