@@ -43,10 +43,10 @@ What JAX changes about writing RL, as this page meets it:
 
 What to expect, measured on this project's 2-core CPU (the README has the commands and the
 figures): CartPole-v1's default run, 500,000 steps of 4 environments x 128 steps, traces and
-compiles in about 6 s and runs in about 3.5 s (144,000 steps a second); the whole `python
-ppo_jax.py` process takes about 13 s, and the agent ends at the maximum return of 500. On a CPU,
-agents side by side gain little from `vmap` (sixteen ran at 181,000 steps a second in all, against
-144,000 for one): PureJaxRL's thousands of agents at once are a GPU's game.
+compiles in about 8 s and runs in about 4 s (125,000 steps a second); the whole `python
+ppo_jax.py` process takes about 14 s, and the agent ends at the maximum return of 500. On a CPU,
+agents side by side gain little from `vmap` (sixteen ran at 172,000 steps a second in all, against
+125,000 for one): PureJaxRL's thousands of agents at once are a GPU's game.
 
 ![ppo_jax.py on CartPole-v1: the mean return of the last 100 episodes of 16 agents, trained side by side in one compiled program, rises from about 30 to 500 by 360k steps and stays there to 500k; the spread across agents is shaded, and PureJaxRL's 500 is drawn as a dashed line](benchmarks/results/cartpole-jax.png)
 
@@ -61,7 +61,7 @@ Pendulum-v1 with its preset, observations and rewards normalised: twelve agents 
 agents of seed 1, 10M steps each with the MinAtar preset, end at a mean return of 50.2 over their
 last 100 episodes (28.8 to 75.2), against about 40 at the end of PureJaxRL's run; 47 minutes for
 the four together on 2 CPU cores. With the preset's former learning rate, 5e-4, three of the same
-four stalled at 7 (Part 3, beside the presets).
+four stalled at about 7 (Part 3, beside the presets).
 
 ![ppo_jax.py on Atari Breakout, seeds 1 and 2 with the 10M-step schedule to 1M steps: the mean score of the last 100 games climbs from about 1 to 14.8 at 500k and 23.2 at 1M, the two seeds shaded between them; ppo_atari.py's mean over its seeds 1 and 2, 21.5 at 1M, is drawn dotted beside it, and CleanRL's 20 at 1M as a point](benchmarks/results/breakout-jax.png)
 
@@ -71,11 +71,12 @@ as `ppo_atari.py` does: the real scores of the last 100 whole games average 14.8
 23.2 at 1M (27.4 and 19.0), against 14.1 and 21.5 for `ppo_atari.py`'s two seeds and about 20 at
 1M for CleanRL.
 
-Atari Breakout, its games stepped inside the compiled program (Part 2): 250 steps a second against 333
-for `ppo_atari.py` in float32, measured one after the other on an AMD EPYC (490 for
-`ppo_atari.py` in bfloat16, its default on that CPU). The games alone step faster here than
-through `ppo_atari.py`'s worker processes (3,140 steps a second against 2,464); the update is what
-limits a CPU, 3.35 s an iteration of 8 games x 128 steps in XLA against 2.00 s in PyTorch.
+Atari Breakout, its games stepped inside the compiled program (Part 2), measured one after the
+other on 2 cores of an AMD EPYC: 292 steps a second, against 424 for `ppo_atari.py` in float32 and
+550 in bfloat16, its default on that CPU. The games alone step faster here than through
+`ppo_atari.py`'s worker processes (3,733 steps a second against 2,648); the update is what limits a
+CPU, 3.03 s an iteration of 8 games x 128 steps in XLA against 1.52 s in PyTorch in float32 (where
+XLA's time goes: Hardware choices, Part 3).
 
 Papers and projects: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); PureJaxRL, the whole run as one JAX program (Lu et al., 2022, "Discovered Policy
@@ -1274,12 +1275,12 @@ RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.n
 # environments x 128 steps, 8 minibatches, and a learning rate of 5e-3, twenty times CartPole's; the
 # rest are the defaults above, which are also that notebook's (its clip range is not annealed, and
 # its networks are two separate MLPs of 64 units on the flattened grid, where ours is the MinAtar
-# paper's CNN). The learning rate is what matters. This preset first had 5e-4. On Breakout-MinAtar, four agents
-# (seed 1, the 10M-step schedule) then stalled: three of them at a return of 7 from 2M steps on,
-# the fourth at 28.9 by 4.8M, when the run was stopped (a mean of 12.3). With 5e-3 the same four
-# were at 24.4 to 47.5 by 2M steps (the curves: `minatar-lr5e-4` and `minatar-breakout-jax` in
-# `benchmarks/results/`), and ended at 28.8 to 75.2 after 10M, a mean of 50.2, against about 40
-# at the end of PureJaxRL's run.
+# paper's CNN). The learning rate is what matters. This preset first had 5e-4. On Breakout-MinAtar,
+# four agents (seed 1, the 10M-step schedule) then stalled: three of them at a return of about 7
+# (6.4 to 7.0) from 2M steps on, the fourth at 28.9 by 4.8M, when the run was stopped (a mean of
+# 12.3). With 5e-3 the same four were at 24.4 to 47.5 by 2M steps (the curves: `minatar-lr5e-4`
+# and `minatar-breakout-jax` in `benchmarks/results/`), and ended at 28.8 to 75.2 after 10M, a mean
+# of 50.2, against about 40 at the end of PureJaxRL's run.
 #
 # Pendulum's were found here, in the style of rl-zoo's (a short discount, large
 # batches, ten epochs, no entropy bonus), not the PPO paper's MuJoCo settings (its Table 3: one
@@ -1544,17 +1545,22 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #
 # * **Convolutions as matrix products.** Inside a loop, and the update is two nested scans, XLA's
 #   CPU backend computes a convolution's gradient with a generic, unoptimised kernel (jax-ml/jax
-#   issue 12868). Measured here, one gradient step of the Nature CNN on 256 frames took 34 s inside
-#   a scan against 0.7 s outside it; as a matrix product over the windows of the input (`patches`)
-#   it takes 0.5 s in both. The networks' convolutions are therefore `Convolution`, below: the same
-#   function as flax's `nn.Conv`, computed another way. What this costs on Atari, where XLA's update
-#   is slower than PyTorch's (the figures at the top of the page): not the products themselves,
-#   which for one minibatch of 256 frames, forward and backward, take 0.14 s in XLA as in PyTorch
-#   when each is timed alone, but the copying that builds the first layer's windows, about 0.1 s of
-#   each minibatch's 0.2 s. Two other ways measured no better on the first layer's gradient (0.14 s
-#   for 256 frames): building the windows from the `uint8` frames before converting them to floats
-#   (0.14 s), and one product over the unshifted input whose outputs are shifted and summed instead
-#   (0.32 s).
+#   issue 12868). Measured here with jaxlib 0.10.2, one gradient step of the Nature CNN on 256
+#   frames took 3.9 s inside a scan against 0.41 s outside it; as a matrix product over the windows
+#   of the input (`patches`) it takes 0.19 s and 0.23 s (`python benchmarks/ppo_jax_profile.py
+#   --convolutions`). The networks' convolutions are therefore `Convolution`, below: the same
+#   function as flax's `nn.Conv`, computed another way. Where the time of the Atari update goes,
+#   slower in XLA than in PyTorch (the figures at the top of the page), from a profile of one update
+#   of 8 games x 128 steps, 16 minibatches of 256 frames in 2.9 s (`python
+#   benchmarks/ppo_jax_profile.py`): 64% in the matrix products, 27% in the copies that build the
+#   windows (19% for the first layer's alone), 9% in the rest. The products alone take 116 ms a
+#   minibatch, more than PyTorch's whole minibatch in float32 (95 ms, 1.52 s over 16), and the
+#   weight gradients are almost half of that (53 ms), products that XLA computes with Eigen, where
+#   it gives the forward pass's to YNNPACK (the next item has why). Two other ways of computing the
+#   first layer gave no faster update: its windows built from the `uint8` frames and converted to
+#   floats afterwards (2.64 and 2.80 s an update, against 2.80 to 2.85 s), and one product over the
+#   unshifted input whose outputs are shifted and summed (the first layer's gradient alone twice as
+#   slow: 0.28 s for 256 frames against 0.14 s).
 # * **Float32, where `ppo_atari.py` takes bfloat16 on a CPU that has it.** jaxlib 0.10.2 sends a
 #   bfloat16 product to its fast kernel (YNNPACK) when it is laid out as a forward pass is, the
 #   contracted dimension last in the first operand. A weight gradient, as autodiff writes it,
