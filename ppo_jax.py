@@ -1568,6 +1568,14 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   float32 and computes in float32. Measured here (an AMD EPYC with `avx512_bf16`), the first
 #   layer's weight gradient for 256 frames took 87 ms from bfloat16 operands against 33 ms from
 #   float32 ones, and an update of 8 games x 128 steps with a bfloat16 torso 3.34 s against 2.73 s.
+#   Handing those products to YNNPACK by hand does not pay either. With a custom VJP that gives each
+#   weight gradient a batch axis of one, XLA does send them there, but first copies the windows into
+#   the layout YNNPACK takes, 66 ms a minibatch for the first layer's alone; the update took 3.5 to
+#   3.9 s against 2.95 s in float32, measured one after the other. Nor does XLA's experimental
+#   oneDNN path (`XLA_FLAGS="--xla_cpu_use_onednn=true
+#   --xla_cpu_experimental_onednn_fusion_type=dot"`), which takes the weight gradients too: the
+#   bfloat16 update took 4.10 s against 3.44 s without it (3.08 s in float32), and in float32 the
+#   update failed to compile ("partition compile failed").
 # * **Agents initialised one at a time.** Under `vmap` over seeds, `network.init` would factorise a
 #   batch of matrices at once for the orthogonal initialisation, and jaxlib 0.10.2's batched QR on
 #   the CPU can deadlock: its LAPACK kernel waits for sub-tasks on the thread pool that its own
