@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import re
 import sys
@@ -35,6 +36,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import flax.linen as nn  # noqa: E402  (after the path, as ppo_jax is imported below)
+import jax  # noqa: E402
+
+import ppo_jax  # noqa: E402
 
 # What each kind of operation computes, in the order the table lists them.
 KINDS = ["products, forward (YNNPACK)", "products, backward: input gradients (YNNPACK)",
@@ -61,10 +67,6 @@ def kind_of(name: str, text: str) -> str:
 
 def profile_update() -> tuple[dict, float, float, int]:
     """Profile one update: the milliseconds of each kind of work, the update's seconds, the overlap, and its minibatches."""
-    import jax
-
-    import ppo_jax
-
     ppo_jax.choose_device("cpu")
     config = ppo_jax.RunConfig(env=ppo_jax.resolve_env("Breakout")[0], **ppo_jax.PRESETS["Atari"])
     training = ppo_jax.make_train(config)
@@ -106,31 +108,45 @@ def profile_update() -> tuple[dict, float, float, int]:
     return {kind: split[kind] / 1e6 for kind in KINDS}, seconds, overlap / 1e6, minibatches
 
 
+class FlaxConvolution(nn.Module):
+    """flax's own convolution, in place of ppo_jax.py's `Convolution` (same fields, same function)."""
+
+    features: int
+    kernel: int
+    stride: int = 1
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nn.Conv(self.features, (self.kernel, self.kernel), strides=self.stride, padding="VALID")(x)
+
+
+@contextlib.contextmanager
+def convolutions_as(convolution: type[nn.Module]):
+    """Inside the block, ppo_jax.py's networks are built with `convolution` for their convolutions.
+
+    A flax network builds its layers each time it runs, looking `Convolution` up by name, so
+    swapping the name is enough, for as long as the block lasts: keep initialising and tracing the
+    network inside it. The name is put back on the way out, whatever happens.
+    """
+    ours = ppo_jax.Convolution
+    ppo_jax.Convolution = convolution
+    try:
+        yield
+    finally:
+        ppo_jax.Convolution = ours
+
+
 def time_convolutions(num_frames: int = 256, repeats: int = 3) -> dict:
     """Seconds of one gradient step of the Nature CNN on `num_frames` frames: `{(convolution, where): seconds}`."""
     import statistics
 
-    import flax.linen as nn
-    import jax
     import numpy as np
-
-    import ppo_jax
-
-    class FlaxConvolution(nn.Module):
-        features: int
-        kernel: int
-        stride: int = 1
-
-        @nn.compact
-        def __call__(self, x):
-            return nn.Conv(self.features, (self.kernel, self.kernel), strides=self.stride, padding="VALID")(x)
 
     ppo_jax.choose_device("cpu")
     frames = jax.numpy.asarray(np.random.default_rng(0).integers(0, 256, (num_frames, 4, 84, 84), dtype=np.uint8))
-    seconds, ours = {}, ppo_jax.Convolution
-    try:
-        for name, convolution in [("nn.Conv", FlaxConvolution), ("Convolution", ours)]:
-            ppo_jax.Convolution = convolution  # the network looks its convolution up by this name
+    seconds = {}
+    for name, convolution in [("nn.Conv", FlaxConvolution), ("Convolution", ppo_jax.Convolution)]:
+        with convolutions_as(convolution):
             network = ppo_jax.NatureActorCritic(4)
             params = network.init(jax.random.key(0), frames)
 
@@ -153,8 +169,6 @@ def time_convolutions(num_frames: int = 256, repeats: int = 3) -> dict:
                     jax.block_until_ready(program(params, frames))
                     timed.append((time.perf_counter() - started) / steps)
                 seconds[(name, where)] = statistics.median(timed)
-    finally:
-        ppo_jax.Convolution = ours
     return seconds
 
 

@@ -48,15 +48,29 @@ def test_ppo_jax_profile_accounts_for_the_update(tmp_path):
 
 
 def test_ppo_jax_profile_times_both_convolutions_and_puts_ppo_jax_back():
-    code = ("import json, ppo_jax, ppo_jax_profile\n"
+    # Inside `convolutions_as`, the Nature CNN really is built from flax's nn.Conv (its parameters say
+    # so), and ppo_jax.py's own Convolution is back afterwards, even after an error.
+    code = ("import json, jax, numpy as np, ppo_jax, ppo_jax_profile\n"
             "ours = ppo_jax.Convolution\n"
+            "frames = np.zeros((1, 4, 84, 84), np.uint8)\n"
+            "def layers(params): return sorted(params['params']['Convolution_0'] if 'Convolution_0' in params['params']"
+            " else params['params']['FlaxConvolution_0'])\n"
+            "with ppo_jax_profile.convolutions_as(ppo_jax_profile.FlaxConvolution):\n"
+            "    theirs = layers(ppo_jax.NatureActorCritic(4).init(jax.random.key(0), frames))\n"
+            "try:\n"
+            "    with ppo_jax_profile.convolutions_as(ppo_jax_profile.FlaxConvolution):\n"
+            "        raise KeyboardInterrupt\n"
+            "except KeyboardInterrupt:\n"
+            "    pass\n"
+            "mine = layers(ppo_jax.NatureActorCritic(4).init(jax.random.key(0), frames))\n"
             "seconds = ppo_jax_profile.time_convolutions(num_frames=4, repeats=1)\n"
-            "print(json.dumps({'restored': ppo_jax.Convolution is ours, 'seconds': [[*k, v] for k, v in seconds.items()]}))")
+            "print(json.dumps({'theirs': theirs, 'mine': mine, 'restored': ppo_jax.Convolution is ours,"
+            " 'seconds': [[*k, v] for k, v in seconds.items()]}))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])})
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert out["restored"]
+    assert out["theirs"] == ["Conv_0"] and out["mine"] == ["Dense_0"] and out["restored"]
     assert {(name, where) for name, where, _ in out["seconds"]} == {
         (name, where) for name in ("nn.Conv", "Convolution") for where in ("alone", "in a scan")}
     assert all(seconds > 0 for *_, seconds in out["seconds"])
