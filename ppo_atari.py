@@ -1253,7 +1253,8 @@ def use_bf16(precision: str, device: torch.device) -> bool:
     it natively (`python benchmarks/throughput.py --part train --precision both`): with AMX (Intel
     Xeon) the whole training step runs 1.6 times faster (1,079 against 679 steps a second, the
     README's table), with AVX-512 BF16 (AMD EPYC) 1.4 times (632 against 451, medians of three runs
-    with `--iterations 12`; the update 1.7 times). On a CPU with neither, bfloat16 has no hardware to gain from, and `auto` keeps float32.
+    with `--iterations 12`; the update 1.7 times). On a CPU with neither, bfloat16 has no hardware
+    to gain from, and `auto` keeps float32.
     The heads stay in float32. On CUDA, `auto` keeps float32 and lets cuDNN and cuBLAS use TF32.
 
     It learns as float32 does, within the spread of seeds. Breakout on the AMD EPYC, the 10M

@@ -1549,11 +1549,11 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   frames took 3.9 s inside a scan against 0.41 s outside it; as a matrix product over the windows
 #   of the input (`patches`) it takes 0.19 s and 0.23 s (`python benchmarks/ppo_jax_profile.py
 #   --convolutions`). The networks' convolutions are therefore `Convolution`, below: the same
-#   function as flax's `nn.Conv`, computed another way. Where the time of the Atari update goes,
-#   slower in XLA than in PyTorch (the figures at the top of the page), from a profile of one update
-#   of 8 games x 128 steps, 16 minibatches of 256 frames in 2.9 s (`python
-#   benchmarks/ppo_jax_profile.py`): 64% in the matrix products, 27% in the copies that build the
-#   windows (19% for the first layer's alone), 9% in the rest. The products alone take 116 ms a
+#   function as flax's `nn.Conv`, computed another way. XLA's Atari update is slower than
+#   PyTorch's (the figures at the top of the page); a profile of one update of 8 games x 128 steps,
+#   16 minibatches of 256 frames in 2.9 s (`python benchmarks/ppo_jax_profile.py`), puts 64% of it in
+#   the matrix products, 27% in the copies that build the windows (19% for the first layer's
+#   alone), and 9% in the rest. The products alone take 116 ms a
 #   minibatch, more than PyTorch's whole minibatch in float32 (95 ms, 1.52 s over 16), and the
 #   weight gradients are almost half of that (53 ms), products that XLA computes with Eigen, where
 #   it gives the forward pass's to YNNPACK (the next item has why). Two other ways of computing the

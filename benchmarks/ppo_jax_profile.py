@@ -42,11 +42,15 @@ import jax  # noqa: E402
 
 import ppo_jax  # noqa: E402
 
-# What each kind of operation computes, in the order the table lists them.
-KINDS = ["products, forward (YNNPACK)", "products, backward: input gradients (YNNPACK)",
-         "products, backward: weight gradients (Eigen)", "building the windows: the first layer's",
-         "building the windows: the other layers'", "backward: the windows' gradients folded back, ReLU masks, copies",
-         "everything else"]
+# What each kind of operation computes; the table lists them in this order.
+FORWARD = "products, forward (YNNPACK)"
+INPUT_GRADIENTS = "products, backward: input gradients (YNNPACK)"
+WEIGHT_GRADIENTS = "products, backward: weight gradients (Eigen)"
+FIRST_WINDOWS = "building the windows: the first layer's"
+OTHER_WINDOWS = "building the windows: the other layers'"
+BACKWARD_COPIES = "backward: the windows' gradients folded back, ReLU masks, copies"
+REST = "everything else"
+KINDS = [FORWARD, INPUT_GRADIENTS, WEIGHT_GRADIENTS, FIRST_WINDOWS, OTHER_WINDOWS, BACKWARD_COPIES, REST]
 
 
 def kind_of(name: str, text: str) -> str:
@@ -55,14 +59,14 @@ def kind_of(name: str, text: str) -> str:
     op_name = op_name.group(1) if op_name else ""
     backward = "transpose(" in op_name  # autodiff's transposed (backward) pass
     if name.startswith("dot."):
-        return KINDS[2] if backward else KINDS[6]
+        return WEIGHT_GRADIENTS if backward else REST
     if name.startswith("ynn_fusion") and "dot_general" in op_name:
-        return KINDS[1] if backward else KINDS[0]
+        return INPUT_GRADIENTS if backward else FORWARD
     if not backward and re.search(r"Convolution_\d+/(concatenate|slice)", op_name):
-        return KINDS[3] if "Convolution_0/" in op_name else KINDS[4]
+        return FIRST_WINDOWS if "Convolution_0/" in op_name else OTHER_WINDOWS
     if backward and op_name.endswith("ActorCritic))/select_n"):  # the network's own, not the optimizer's
-        return KINDS[5]
-    return KINDS[6]
+        return BACKWARD_COPIES
+    return REST
 
 
 def profile_update() -> tuple[dict, float, float, int]:
@@ -73,7 +77,7 @@ def profile_update() -> tuple[dict, float, float, int]:
     runner = jax.jit(training.init)(jax.random.key(1))
     rollout = jax.jit(training.collect)(runner)[1]
     update = jax.jit(ppo_jax.make_update_agent(training.network, ppo_jax.make_optimizer(config), config))
-    arguments = (runner.agent, rollout, runner.key, 2.5e-4, 0.1)
+    arguments = (runner.agent, rollout, runner.key, config.learning_rate, config.clip_range)
     program = {}
     for line in update.lower(*arguments).compile().as_text().splitlines():
         match = re.match(r"\s*(?:ROOT )?%(\S+) = ", line)
@@ -97,7 +101,7 @@ def profile_update() -> tuple[dict, float, float, int]:
     end, last_eigen_product, overlap = events[0][0], None, 0
     for start, stop, name in events:
         if start > end:  # nothing recorded: an asynchronous Eigen product at work
-            split[kind_of(last_eigen_product, program[last_eigen_product]) if last_eigen_product else KINDS[6]] += start - end
+            split[kind_of(last_eigen_product, program[last_eigen_product]) if last_eigen_product else REST] += start - end
         overlap += max(0, min(stop, end) - start)
         if name.startswith("dot."):
             last_eigen_product = name

@@ -260,8 +260,9 @@ def main() -> None:
             print(f"(c) {value}'s games alone ({what}), Breakout, 8 games, random actions: "
                   f"{median_of(runs, 'sps'):,.0f} agent steps/s   [load {loads}]")
         else:
-            env = f" (of which the games {median_of(runs, 'env_s'):.2f})" if value.startswith("ppo_atari") else ""
+            env = ""
             if value.startswith("ppo_atari"):
+                env = f" (of which the games {median_of(runs, 'env_s'):.2f})"
                 value = f"ppo_atari, its torso in {runs[0]['precision']}"
             print(f"(c) {value} on Breakout, 8 games x 128 steps: {median_of(runs, 'sps'):,.0f} SPS | per iteration "
                   f"{median_of(runs, 'seconds_per_iteration'):.2f} s; rollout {median_of(runs, 'rollout_s'):.2f} s"
