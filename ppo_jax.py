@@ -410,14 +410,17 @@ class MinAtarActorCritic(nn.Module):
     """For MinAtar's 10 x 10 grids of 0/1 channels: the network of the MinAtar paper, shared by two heads.
 
     One 3 x 3 convolution of 16 filters and a 128-unit layer (Young and Tian, 2019). `Convolution`
-    is flax's `nn.Conv` without padding, computed as a matrix product (see Hardware choices, Part 3).
+    is flax's `nn.Conv` without padding, computed as a matrix product with the channels first (see
+    Hardware choices, Part 3); its output is laid out channels last again, as `nn.Conv`'s, before
+    it is flattened.
     """
 
     n_actions: int
 
     @nn.compact
     def __call__(self, obs: jax.Array) -> tuple[Categorical, jax.Array]:
-        hidden = nn.relu(Convolution(16, kernel=3)(obs))                   # 10 x 10 x C -> 8 x 8 x 16
+        hidden = nn.relu(Convolution(16, kernel=3)(jnp.moveaxis(obs, -1, 0)))  # C x 10 x 10 -> 16 x 8 x 8
+        hidden = jnp.moveaxis(hidden, 0, -1)                                    # -> 8 x 8 x 16
         hidden = nn.relu(dense(128)(hidden.reshape(*hidden.shape[:-3], -1)))
         return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
 
@@ -1205,18 +1208,20 @@ class AtariEnv:
 class NatureActorCritic(nn.Module):
     """For Atari frames: the DQN paper's "Nature CNN" torso, shared by a policy head and a value head.
 
-    Frames arrive as `uint8` stacks, channels first as the vector env writes them, and are turned
-    channels last here, inside the compiled program, and scaled to [0, 1].
+    Frames arrive as `uint8` stacks, channels first as the vector env writes them, and are scaled to
+    [0, 1]. The convolutions take the channels first, ahead of the batch; the last one's output is
+    laid out channels last, as `nn.Conv`'s would be, before it is flattened.
     """
 
     n_actions: int
 
     @nn.compact
     def __call__(self, obs: jax.Array) -> tuple[Categorical, jax.Array]:
-        x = jnp.moveaxis(obs, -3, -1).astype(jnp.float32) / 255.0
-        x = nn.relu(Convolution(32, kernel=8, stride=4)(x))                 # 84 x 84 -> 20 x 20
-        x = nn.relu(Convolution(64, kernel=4, stride=2)(x))                 # -> 9 x 9
-        x = nn.relu(Convolution(64, kernel=3)(x))                           # -> 7 x 7
+        x = jnp.moveaxis(obs, -3, 0).astype(jnp.float32) / 255.0           # 4 x batch x 84 x 84
+        x = nn.relu(Convolution(32, kernel=8, stride=4)(x))                 # -> 32 x 20 x 20
+        x = nn.relu(Convolution(64, kernel=4, stride=2)(x))                 # -> 64 x 9 x 9
+        x = nn.relu(Convolution(64, kernel=3)(x))                           # -> 64 x 7 x 7
+        x = jnp.moveaxis(x, 0, -1)                                          # -> 7 x 7 x 64
         hidden = nn.relu(dense(512)(x.reshape(*x.shape[:-3], -1)))
         return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
 
@@ -1540,42 +1545,54 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 
 # ### Hardware choices
 #
-# Three choices in Part 1 are made for XLA's CPU backend. All hold on every backend, so that the
+# Four choices in Part 1 are made for XLA's CPU backend. All hold on every backend, so that the
 # program, and what it computes, is the same everywhere:
 #
 # * **Convolutions as matrix products.** Inside a loop, and the update is two nested scans, XLA's
 #   CPU backend computes a convolution's gradient with a generic, unoptimised kernel (jax-ml/jax
 #   issue 12868). Measured here with jaxlib 0.10.2, one gradient step of the Nature CNN on 256
-#   frames took 3.9 s inside a scan against 0.41 s outside it; as a matrix product over the windows
-#   of the input (`patches`) it takes 0.19 s and 0.23 s (`python benchmarks/ppo_jax_profile.py
-#   --convolutions`). The networks' convolutions are therefore `Convolution`, below: the same
-#   function as flax's `nn.Conv`, computed another way. XLA's Atari update is slower than
-#   PyTorch's (the figures at the top of the page); a profile of one update of 8 games x 128 steps,
-#   16 minibatches of 256 frames in 2.9 s (`python benchmarks/ppo_jax_profile.py`), puts 64% of it in
-#   the matrix products, 27% in the copies that build the windows (19% for the first layer's
-#   alone), and 9% in the rest. The products alone take 116 ms a
-#   minibatch, more than PyTorch's whole minibatch in float32 (95 ms, 1.52 s over 16), and the
-#   weight gradients are almost half of that (53 ms), products that XLA computes with Eigen, where
-#   it gives the forward pass's to YNNPACK (the next item has why). Two other ways of computing the
-#   first layer gave no faster update: its windows built from the `uint8` frames and converted to
-#   floats afterwards (2.64 and 2.80 s an update, against 2.80 to 2.85 s), and one product over the
-#   unshifted input whose outputs are shifted and summed (the first layer's gradient alone twice as
-#   slow: 0.28 s for 256 frames against 0.14 s).
-# * **Float32, where `ppo_atari.py` takes bfloat16 on a CPU that has it.** jaxlib 0.10.2 sends a
-#   bfloat16 product to its fast kernel (YNNPACK) when it is laid out as a forward pass is, the
-#   contracted dimension last in the first operand. A weight gradient, as autodiff writes it,
-#   contracts over the first dimension, the windows of the batch; that product XLA converts to
-#   float32 and computes in float32. Measured here (an AMD EPYC with `avx512_bf16`), the first
-#   layer's weight gradient for 256 frames took 87 ms from bfloat16 operands against 33 ms from
-#   float32 ones, and an update of 8 games x 128 steps with a bfloat16 torso 3.34 s against 2.73 s.
-#   Handing those products to YNNPACK by hand does not pay either. With a custom VJP that gives each
-#   weight gradient a batch axis of one, XLA does send them there, but first copies the windows into
-#   the layout YNNPACK takes, 66 ms a minibatch for the first layer's alone; the update took 3.5 to
-#   3.9 s against 2.95 s in float32, measured one after the other. Nor does XLA's experimental
-#   oneDNN path (`XLA_FLAGS="--xla_cpu_use_onednn=true
-#   --xla_cpu_experimental_onednn_fusion_type=dot"`), which takes the weight gradients too: the
-#   bfloat16 update took 4.10 s against 3.44 s without it (3.08 s in float32), and in float32 the
-#   update failed to compile ("partition compile failed").
+#   frames took 3.67 s inside a scan against 0.46 s outside it; as a matrix product over the windows
+#   of the input (`patches`) it takes 0.13 s inside a scan and 0.17 s outside (`python
+#   benchmarks/ppo_jax_profile.py --convolutions`). The networks' convolutions are therefore
+#   `Convolution`, below: the same function as flax's `nn.Conv`, computed another way. Two other
+#   ways of computing the first layer gave no faster update, measured with the former layout (next
+#   item): its windows built from the `uint8` frames and converted to floats afterwards (2.64 and
+#   2.80 s an update, against 2.80 to 2.85 s), and one product over the unshifted input whose
+#   outputs are shifted and summed (the first layer's gradient alone twice as slow: 0.28 s for 256
+#   frames against 0.14 s).
+# * **Channels first, each window a column.** A layer's matrix product comes three times in a
+#   gradient step: in the forward pass, and in the backward pass for the gradient with respect to
+#   the layer's input and for the one with respect to its weights. jaxlib 0.10.2's CPU backend gives
+#   a product to its fast library, YNNPACK, in some layouts of the operands, and to Eigen, slower
+#   here, in the others. With the channels last, as flax lays a batch out, each window is a row
+#   (`[N, K]`: N windows of K values), and the weight gradient, as autodiff writes it, contracts the
+#   first axis of both operands; XLA gave it to Eigen, and it took 53 ms of a minibatch's 116 ms of
+#   products. With the channels first, each window a column (`[K, N]`), all three products can be
+#   written in forms XLA gives to YNNPACK, and `columns_product` writes its gradients out in them:
+#   the weight gradient contracts the last axes of the windows and of the output's gradient. The
+#   products now take 76 ms a minibatch (forward 32, input gradients 17, weight gradients 27), and
+#   an update of 8 games x 128 steps 2.09 s against 2.92 s with the channels last
+#   (`python benchmarks/ppo_jax_speed.py --part atari`, the two versions one after the other). The
+#   networks compute the same function from the same parameters, initialised alike: `Convolution`
+#   keeps `dense`'s parameter names and shapes, each CNN lays its last convolution's output
+#   channels last again before flattening it, and a test checks both CNNs against their
+#   channels-last definitions written with flax's `nn.Conv`. Atari's frames arrive channels first in
+#   any case. A profile of the update (`python benchmarks/ppo_jax_profile.py`, 16 minibatches of 256
+#   frames in 2.1 s) puts 58% of it in the products, 30% in the copies that build the windows (23%
+#   for the first layer's alone) and 12% in the rest. XLA's update is still slower than PyTorch's
+#   (the figures at the top of the page): PyTorch's whole minibatch takes 91 ms in float32
+#   (1.45 s over 16, measured beside it), XLA's products alone 76 ms.
+# * **Float32, where `ppo_atari.py` takes bfloat16 on a CPU that has it.** In jaxlib 0.10.2's
+#   compiled update, a bfloat16 torso makes XLA convert the products' operands back to float32 and
+#   multiply in float32, so the conversions only add copies. Measured here (an AMD EPYC with
+#   `avx512_bf16`), with the layout above, the update took 3.7 s with the torso in bfloat16 against
+#   1.9 s in float32, and its profile showed the first layer's windows converted to float32 alone
+#   taking 49 ms a minibatch. Two routes tried with the former layout did not pay either: a custom
+#   VJP that gave each weight gradient a batch axis of one, so that XLA sent it to YNNPACK (but
+#   first copied the windows into YNNPACK's layout; the update took 3.5 to 3.9 s against 2.95 s in
+#   float32), and XLA's experimental oneDNN path (`XLA_FLAGS="--xla_cpu_use_onednn=true
+#   --xla_cpu_experimental_onednn_fusion_type=dot"`): the bfloat16 update took 4.10 s against
+#   3.44 s without it, and in float32 the update failed to compile ("partition compile failed").
 # * **Agents initialised one at a time.** Under `vmap` over seeds, `network.init` would factorise a
 #   batch of matrices at once for the orthogonal initialisation, and jaxlib 0.10.2's batched QR on
 #   the CPU can deadlock: its LAPACK kernel waits for sub-tasks on the thread pool that its own
@@ -1589,30 +1606,70 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 
 
 def patches(x: jax.Array, kernel: int, stride: int) -> jax.Array:
-    """`[..., H, W, C] -> [..., H', W', kernel * kernel * C]`: the `kernel x kernel` window under each output pixel.
+    """`[C, ..., H, W] -> [kernel * kernel * C, ..., H', W']`: the `kernel x kernel` window above each output pixel.
 
-    With a stride, each `stride x stride` block of pixels is first folded into the channels
-    ("space to depth"), which turns the strided window into a `kernel / stride` window at stride 1;
-    the windows are then `(kernel / stride)^2` shifted slices, side by side.
+    Channels come first, and each window is a column. With a stride, each `stride x stride` block of
+    pixels is first folded into the channels ("space to depth"), which turns the strided window into
+    a `kernel / stride` window at stride 1; the windows are then `(kernel / stride)^2` shifted
+    slices, one above the other. A window's values are ordered by the block's row and column, then
+    the pixel's row and column within the block, then the channel.
     """
     if stride > 1:
-        *batch, height, width, channels = x.shape
+        channels, *batch, height, width = x.shape
         height, width = height // stride, width // stride
-        x = x[..., :height * stride, :width * stride, :].reshape(*batch, height, stride, width, stride, channels)
-        x = jnp.swapaxes(x, -4, -3).reshape(*batch, height, width, stride * stride * channels)
+        x = x[..., :height * stride, :width * stride].reshape(channels, -1, height, stride, width, stride)
+        x = x.transpose(3, 5, 0, 1, 2, 4).reshape(stride * stride * channels, *batch, height, width)
         kernel //= stride
-    height, width = x.shape[-3] - kernel + 1, x.shape[-2] - kernel + 1
-    return jnp.concatenate([x[..., i:i + height, j:j + width, :] for i in range(kernel) for j in range(kernel)],
-                           axis=-1)
+    height, width = x.shape[-2] - kernel + 1, x.shape[-1] - kernel + 1
+    return jnp.concatenate([x[..., i:i + height, j:j + width] for i in range(kernel) for j in range(kernel)],
+                           axis=0)
+
+
+@jax.custom_vjp
+def columns_product(kernel: jax.Array, columns: jax.Array) -> jax.Array:
+    """`kernel.T @ columns`, `[K, F]` and `[K, N]` to `[F, N]`: a dense layer applied to each column.
+
+    Its gradients are written out (below) so that each of the three products is in the form XLA's
+    CPU backend gives to YNNPACK (see Hardware choices): `kernel.T` is made a matrix of its own (the
+    barrier keeps XLA from folding the transposition into the product), and the weight gradient
+    contracts the last axes of the columns and of the output's gradient.
+    """
+    return jax.lax.optimization_barrier(kernel.T) @ columns
+
+
+def columns_product_forward(kernel: jax.Array, columns: jax.Array) -> tuple[jax.Array, tuple]:
+    return columns_product(kernel, columns), (kernel, columns)
+
+
+def columns_product_backward(saved: tuple, grad: jax.Array) -> tuple[jax.Array, jax.Array]:
+    kernel, columns = saved
+    kernel_grad = jax.lax.dot_general(columns, grad, (((1,), (1,)), ((), ())))  # [K, N] with [F, N] -> [K, F]
+    return kernel_grad, kernel @ grad
+
+
+columns_product.defvjp(columns_product_forward, columns_product_backward)
+
+
+class ColumnsDense(nn.Module):
+    """`dense`'s layer, with its parameters and their initialisation, applied to columns: `[K, N] -> [F, N]`."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, columns: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", nn.initializers.orthogonal(math.sqrt(2)), (columns.shape[0], self.features))
+        bias = self.param("bias", nn.initializers.zeros, (self.features,))
+        return columns_product(kernel, columns) + bias[:, None]
 
 
 class Convolution(nn.Module):
-    r"""A convolution without padding, written as a dense layer applied to every window of the input.
+    r"""A convolution without padding, channels first: `[C, ..., H, W] -> [features, ..., H', W']`.
 
-    The same function as `nn.Conv(features, (kernel, kernel), strides=stride, padding="VALID")`,
-    computed as a matrix product over `patches` (why: see above). The weights are initialised like
-    `dense`'s, gain $\sqrt 2$; `kernel` must be a multiple of `stride`, as it is in both networks
-    that use it, Part 1's MinAtar CNN and Part 2's Nature CNN.
+    The same function as `nn.Conv(features, (kernel, kernel), strides=stride, padding="VALID")` on
+    channels-last images, computed as a dense layer applied to every window of the input, a matrix
+    product over `patches` (why: see above). The weights are `dense`'s, initialised alike (gain
+    $\sqrt 2$), with the same names and shapes; `kernel` must be a multiple of `stride`, as it is
+    in both networks that use it, Part 1's MinAtar CNN and Part 2's Nature CNN.
     """
 
     features: int
@@ -1621,7 +1678,9 @@ class Convolution(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        return dense(self.features)(patches(x, self.kernel, self.stride))
+        windows = patches(x, self.kernel, self.stride)
+        outputs = ColumnsDense(self.features, name="Dense_0")(windows.reshape(windows.shape[0], -1))
+        return outputs.reshape(self.features, *windows.shape[1:])
 
 
 def choose_device(requested: str) -> str:

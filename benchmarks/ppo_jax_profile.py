@@ -6,10 +6,12 @@ minibatches of 256 frames) is compiled, run twice to warm up, and run once more 
 program's own text says what each one computes: a product of the forward pass, a product of the
 backward pass, a copy that builds the windows of a convolution (`patches` in ppo_jax.py), and so on.
 The operations run one after another, each spread over the cores, so their times add up to the
-update's. One kind needs care: a product that XLA's CPU backend gives to Eigen rather than to
-YNNPACK runs asynchronously, its event ending as soon as it starts, and its work fills the gap up to
-the next operation's event; each gap is counted to the Eigen product launched last before it. In
-ppo_jax.py's update those are the weight gradients (why: ppo_jax.py's Hardware choices, Part 3).
+update's. A product of the backward pass whose result has the shape of one of the network's
+weights is a weight gradient; the others are input gradients. One kind needs care: a product that
+XLA's CPU backend gives to Eigen rather than to YNNPACK runs asynchronously, its event ending as
+soon as it starts, and its work fills the gap up to the next operation's event; each gap is counted
+to the Eigen product launched last before it. The table ends with how much of the products' time
+each library took (which products go where: ppo_jax.py's Hardware choices, Part 3).
 
     python benchmarks/ppo_jax_profile.py
     python benchmarks/ppo_jax_profile.py --json split.json
@@ -39,29 +41,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flax.linen as nn  # noqa: E402  (after the path, as ppo_jax is imported below)
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 import ppo_jax  # noqa: E402
 
 # What each kind of operation computes; the table lists them in this order.
-FORWARD = "products, forward (YNNPACK)"
-INPUT_GRADIENTS = "products, backward: input gradients (YNNPACK)"
-WEIGHT_GRADIENTS = "products, backward: weight gradients (Eigen)"
+FORWARD = "products, forward"
+INPUT_GRADIENTS = "products, backward: input gradients"
+WEIGHT_GRADIENTS = "products, backward: weight gradients"
 FIRST_WINDOWS = "building the windows: the first layer's"
 OTHER_WINDOWS = "building the windows: the other layers'"
 BACKWARD_COPIES = "backward: the windows' gradients folded back, ReLU masks, copies"
 REST = "everything else"
 KINDS = [FORWARD, INPUT_GRADIENTS, WEIGHT_GRADIENTS, FIRST_WINDOWS, OTHER_WINDOWS, BACKWARD_COPIES, REST]
+PRODUCTS = [FORWARD, INPUT_GRADIENTS, WEIGHT_GRADIENTS]
 
 
-def kind_of(name: str, text: str) -> str:
-    """The kind of work of the operation `name`, from its line `text` in the compiled program."""
+def library_of(name: str, text: str) -> str | None:
+    """Which library computes the operation `name` if it is one of the network's products, else None."""
+    op_name = re.search(r'op_name="([^"]*)"', text)
+    if not op_name or "ActorCritic" not in op_name.group(1):
+        return None
+    if name.startswith("dot."):
+        return "Eigen"
+    return "YNNPACK" if name.startswith("ynn_fusion") and "dot_general" in op_name.group(1) else None
+
+
+def kind_of(name: str, text: str, weight_shapes: set[str]) -> str:
+    """The kind of work of the operation `name`, from its line `text` in the compiled program.
+
+    `weight_shapes` holds the shapes of the network's weights as the program writes them
+    (`f32[256,32]`): a product of the backward pass with one of them is a weight gradient.
+    """
     op_name = re.search(r'op_name="([^"]*)"', text)
     op_name = op_name.group(1) if op_name else ""
     backward = "transpose(" in op_name  # autodiff's transposed (backward) pass
-    if name.startswith("dot."):
-        return WEIGHT_GRADIENTS if backward else REST
-    if name.startswith("ynn_fusion") and "dot_general" in op_name:
-        return INPUT_GRADIENTS if backward else FORWARD
+    if library_of(name, text):
+        if not backward:
+            return FORWARD
+        return WEIGHT_GRADIENTS if text.split(" = ")[1].split("{")[0] in weight_shapes else INPUT_GRADIENTS
     if not backward and re.search(r"Convolution_\d+/(concatenate|slice)", op_name):
         return FIRST_WINDOWS if "Convolution_0/" in op_name else OTHER_WINDOWS
     if backward and op_name.endswith("ActorCritic))/select_n"):  # the network's own, not the optimizer's
@@ -69,8 +87,9 @@ def kind_of(name: str, text: str) -> str:
     return REST
 
 
-def profile_update() -> tuple[dict, float, float, int]:
-    """Profile one update: the milliseconds of each kind of work, the update's seconds, the overlap, and its minibatches."""
+def profile_update() -> tuple[dict, dict, float, float, int]:
+    """Profile one update: the milliseconds of each kind of work and of each library's products, the
+    update's seconds, the overlap, and its minibatches."""
     ppo_jax.choose_device("cpu")
     config = ppo_jax.RunConfig(env=ppo_jax.resolve_env("Breakout")[0], **ppo_jax.PRESETS["Atari"])
     training = ppo_jax.make_train(config)
@@ -78,6 +97,8 @@ def profile_update() -> tuple[dict, float, float, int]:
     rollout = jax.jit(training.collect)(runner)[1]
     update = jax.jit(ppo_jax.make_update_agent(training.network, ppo_jax.make_optimizer(config), config))
     arguments = (runner.agent, rollout, runner.key, config.learning_rate, config.clip_range)
+    weight_shapes = {f"f32[{','.join(map(str, leaf.shape))}]"
+                     for leaf in jax.tree.leaves(runner.agent.params) if leaf.ndim == 2}
     program = {}
     for line in update.lower(*arguments).compile().as_text().splitlines():
         match = re.match(r"\s*(?:ROOT )?%(\S+) = ", line)
@@ -97,23 +118,33 @@ def profile_update() -> tuple[dict, float, float, int]:
     events = sorted((event.start_ns, event.start_ns + event.duration_ns, event.name)
                     for plane in profile.planes for line in plane.lines if line.name.startswith("tf_XLAEigen")
                     for event in line.events if event.name in program)
-    split = collections.Counter()
+    split, libraries = collections.Counter(), collections.Counter()
+
+    def count(name: str | None, nanoseconds: int) -> None:
+        split[kind_of(name, program[name], weight_shapes) if name else REST] += nanoseconds
+        if name and library_of(name, program[name]):
+            libraries[library_of(name, program[name])] += nanoseconds
+
     end, last_eigen_product, overlap = events[0][0], None, 0
     for start, stop, name in events:
         if start > end:  # nothing recorded: an asynchronous Eigen product at work
-            split[kind_of(last_eigen_product, program[last_eigen_product]) if last_eigen_product else REST] += start - end
+            count(last_eigen_product, start - end)
         overlap += max(0, min(stop, end) - start)
         if name.startswith("dot."):
             last_eigen_product = name
         if stop > max(start, end):
-            split[kind_of(name, program[name])] += stop - max(start, end)
+            count(name, stop - max(start, end))
         end = max(end, stop)
     minibatches = config.update_epochs * config.num_minibatches
-    return {kind: split[kind] / 1e6 for kind in KINDS}, seconds, overlap / 1e6, minibatches
+    return ({kind: split[kind] / 1e6 for kind in KINDS}, {library: libraries[library] / 1e6 for library in ["YNNPACK", "Eigen"]},
+            seconds, overlap / 1e6, minibatches)
 
 
 class FlaxConvolution(nn.Module):
-    """flax's own convolution, in place of ppo_jax.py's `Convolution` (same fields, same function)."""
+    """flax's own convolution, in place of ppo_jax.py's `Convolution` (same fields, same function).
+
+    `nn.Conv` takes the channels last, so they are moved there and back: `Convolution` takes them first.
+    """
 
     features: int
     kernel: int
@@ -121,7 +152,8 @@ class FlaxConvolution(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        return nn.Conv(self.features, (self.kernel, self.kernel), strides=self.stride, padding="VALID")(x)
+        convolution = nn.Conv(self.features, (self.kernel, self.kernel), strides=self.stride, padding="VALID")
+        return jnp.moveaxis(convolution(jnp.moveaxis(x, 0, -1)), -1, 0)
 
 
 @contextlib.contextmanager
@@ -186,7 +218,7 @@ def main() -> None:
         for (name, where), seconds in time_convolutions().items():
             print(f"one gradient step of the Nature CNN on 256 frames, {name}, {where}: {seconds:.2f} s")
         return
-    split, seconds, overlap, minibatches = profile_update()
+    split, libraries, seconds, overlap, minibatches = profile_update()
     profiled = sum(split.values())
     print(f"ppo_jax.py's update on Breakout, 8 games x 128 steps ({minibatches} minibatches): "
           f"{seconds:.2f} s under the profiler, {profiled / 1e3:.2f} s of it in the profiled operations "
@@ -194,8 +226,12 @@ def main() -> None:
     print("| kind of work | ms per update | ms per minibatch | share |\n|---|---|---|---|")
     for kind, milliseconds in split.items():
         print(f"| {kind} | {milliseconds:.0f} | {milliseconds / minibatches:.1f} | {100 * milliseconds / profiled:.0f}% |")
+    print("The products' time by library: " + ", ".join(
+        f"{library} {milliseconds:.0f} ms ({milliseconds / minibatches:.1f} ms per minibatch)"
+        for library, milliseconds in libraries.items()))
     if args.json:
-        args.json.write_text(json.dumps({"seconds": seconds, "overlap_ms": overlap, "split_ms": split}, indent=2))
+        args.json.write_text(json.dumps({"seconds": seconds, "overlap_ms": overlap, "split_ms": split,
+                                         "products_by_library_ms": libraries}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """The math of ppo_jax.py against references: GAE, the distributions, the loss, the schedules, the layers."""
 
+import functools
 import math
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -255,7 +257,67 @@ def test_convolution_as_patches_is_a_convolution(kernel, stride, size):
     # (row, column), and within a block row, column, channel.
     blocks = kernel // stride
     matrix = weights.reshape(blocks, stride, blocks, stride, 5, 7).transpose(0, 2, 1, 3, 4, 5).reshape(-1, 7)
-    np.testing.assert_allclose(ppo_jax.patches(x, kernel, stride) @ matrix, expected, rtol=1e-4, atol=1e-4)
+    windows = ppo_jax.patches(jnp.moveaxis(x, -1, 0), kernel, stride)  # channels first, each window a column
+    computed = jnp.einsum("k...,kf->...f", windows, matrix)
+    np.testing.assert_allclose(computed, expected, rtol=1e-4, atol=1e-4)
+    # The layer itself, with these weights: the same function, channels first, any batch shape.
+    layer = ppo_jax.Convolution(7, kernel, stride)
+    params = {"params": {"Dense_0": {"kernel": matrix, "bias": jnp.arange(7.0)}}}
+    output = layer.apply(params, jnp.moveaxis(x, -1, 0)[:, None])
+    assert output.shape == (7, 1, 2) + expected.shape[1:3]
+    np.testing.assert_allclose(jnp.moveaxis(output[:, 0], 0, -1), expected + jnp.arange(7.0), rtol=1e-4, atol=1e-4)
+
+
+def test_columns_product_has_the_gradients_of_a_product():
+    # `columns_product` writes its own gradients (for speed); they must be those of `kernel.T @ x`,
+    # alone and under vmap (several agents' networks at once).
+    rng = np.random.default_rng(0)
+    kernel, columns, weights = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in [(6, 3), (6, 5), (3, 5)])
+
+    def loss(product, kernel, columns):
+        return jnp.sum(weights * jnp.tanh(product(kernel, columns)))
+
+    ours = jax.grad(functools.partial(loss, ppo_jax.columns_product), argnums=(0, 1))(kernel, columns)
+    theirs = jax.grad(functools.partial(loss, lambda k, x: k.T @ x), argnums=(0, 1))(kernel, columns)
+    for mine, reference in zip(ours, theirs):
+        np.testing.assert_allclose(mine, reference, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ppo_jax.columns_product(kernel, columns), kernel.T @ columns, rtol=1e-6)
+    batched = jax.vmap(jax.grad(functools.partial(loss, ppo_jax.columns_product)))(jnp.stack([kernel, 2 * kernel]),
+                                                                                 jnp.stack([columns, columns]))
+    np.testing.assert_allclose(batched[0], ours[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("network, obs", [(ppo_jax.MinAtarActorCritic(6), (10, 10, 4)),
+                                          (ppo_jax.NatureActorCritic(4), (4, 84, 84))])
+def test_cnns_are_their_channels_last_definitions(network, obs):
+    # The networks compute channels first; with the same parameters they must be the networks as
+    # their papers define them, written with flax's own channels-last `nn.Conv` and `nn.Dense`.
+    dtype = jnp.uint8 if obs[0] == 4 else jnp.float32
+    frames = jnp.asarray(np.random.default_rng(1).integers(0, 256 if obs[0] == 4 else 2, (2, 3) + obs), dtype)
+    params = network.init(jax.random.key(0), frames)["params"]
+
+    def convolution(x, layer, kernel, stride):
+        # The kernel in `patches`' order back to nn.Conv's [height, width, in, out].
+        blocks, channels = kernel // stride, x.shape[-1]
+        weights = layer["Dense_0"]["kernel"].reshape(blocks, blocks, stride, stride, channels, -1)
+        weights = weights.transpose(0, 2, 1, 3, 4, 5).reshape(kernel, kernel, channels, -1)
+        return nn.relu(nn.Conv(weights.shape[-1], (kernel, kernel), strides=stride, padding="VALID").apply(
+            {"params": {"kernel": weights, "bias": layer["Dense_0"]["bias"]}}, x))
+
+    x = frames.reshape(-1, *obs)
+    if obs[0] == 4:
+        x = jnp.moveaxis(x, 1, -1).astype(jnp.float32) / 255.0
+        for index, (kernel, stride) in enumerate([(8, 4), (4, 2), (3, 1)]):
+            x = convolution(x, params[f"Convolution_{index}"], kernel, stride)
+    else:
+        x = convolution(x, params["Convolution_0"], 3, 1)
+    hidden = nn.relu(nn.Dense(params["Dense_0"]["kernel"].shape[1]).apply({"params": params["Dense_0"]},
+                                                                           x.reshape(x.shape[0], -1)))
+    logits = nn.Dense(params["policy"]["kernel"].shape[1]).apply({"params": params["policy"]}, hidden)
+    values = nn.Dense(1).apply({"params": params["value"]}, hidden)[:, 0]
+    policy, computed_values = network.apply({"params": params}, frames)
+    np.testing.assert_allclose(policy.logits.reshape(-1, logits.shape[-1]), logits, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(computed_values.reshape(-1), values, rtol=1e-4, atol=1e-5)
 
 
 def orthogonal_with_gain(matrix: np.ndarray, gain: float) -> bool:
