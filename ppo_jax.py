@@ -72,11 +72,12 @@ as `ppo_atari.py` does: the real scores of the last 100 whole games average 14.8
 1M for CleanRL.
 
 Atari Breakout, its games stepped inside the compiled program (Part 2), measured one after the
-other on 2 cores of an AMD EPYC: 292 steps a second, against 424 for `ppo_atari.py` in float32 and
-550 in bfloat16, its default on that CPU. The games alone step faster here than through
-`ppo_atari.py`'s worker processes (3,733 steps a second against 2,648); the update is what limits a
-CPU, 3.03 s an iteration of 8 games x 128 steps in XLA against 1.52 s in PyTorch in float32 (where
-XLA's time goes: Hardware choices, Part 3).
+other on 2 cores of an AMD EPYC: 387 steps a second, against 434 for `ppo_atari.py` in float32 and
+603 in bfloat16, its default on that CPU. The games alone step faster here than through
+`ppo_atari.py`'s worker processes (4,097 steps a second against 3,495); the update is what limits a
+CPU: an iteration of 8 games x 128 steps is updated in 2.09 s in XLA against 1.45 s in PyTorch in
+float32 (where XLA's time goes, and how laying the convolutions out channels first took it down
+from 2.92 s: Hardware choices, Part 3).
 
 Papers and projects: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); PureJaxRL, the whole run as one JAX program (Lu et al., 2022, "Discovered Policy
