@@ -1591,7 +1591,12 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   multiply in float32, so the conversions only add copies. Measured here (an AMD EPYC with
 #   `avx512_bf16`), with the layout above, the update took 3.7 s with the torso in bfloat16 against
 #   1.9 s in float32, and its profile showed the first layer's windows converted to float32 alone
-#   taking 49 ms a minibatch. Two routes tried with the former layout did not pay either: a custom
+#   taking 49 ms a minibatch. XLA keeps a bfloat16 product in bfloat16 when its first operand is a
+#   matrix laid out row by row and its result is float32; written that way (each kernel's
+#   transpose copied into a matrix of its own), the products did get faster, but XLA's loops that
+#   build and fold back bfloat16 windows are slower than its float32 ones: the first layer's
+#   windows took 72 ms a minibatch against 30 in float32, and the update 3.2 to 3.4 s against 2.0
+#   to 2.2 s, measured one after the other. Two routes tried with the former layout did not pay either: a custom
 #   VJP that gave each weight gradient a batch axis of one, so that XLA sent it to YNNPACK (but
 #   first copied the windows into YNNPACK's layout; the update took 3.5 to 3.9 s against 2.95 s in
 #   float32), and XLA's experimental oneDNN path (`XLA_FLAGS="--xla_cpu_use_onednn=true
