@@ -372,15 +372,16 @@ class Gaussian(NamedTuple):
 # observations and actions.
 
 
-def dense(features: int, gain: float = math.sqrt(2), name: str | None = None) -> nn.Dense:
+def dense(features: int, gain: float = math.sqrt(2), name: str | None = None,
+          layer: type[nn.Dense] = nn.Dense) -> nn.Dense:
     r"""A linear layer with orthogonal weights scaled by `gain` and zero biases.
 
     Orthogonal matrices keep the norm of what passes through, so activations neither explode nor
     vanish with depth; $\sqrt 2$ makes up for the half of a ReLU's input cut to 0. The policy head
-    starts at gain 0.01, so the first policy is almost uniform; the value head at gain 1.
+    starts at gain 0.01, so the first policy is almost uniform; the value head at gain 1. `layer`
+    is `nn.Dense` or a kind of it (Part 3's `ColumnsDense`, for the convolutions).
     """
-    return nn.Dense(features, kernel_init=nn.initializers.orthogonal(gain), bias_init=nn.initializers.zeros,
-                    name=name)
+    return layer(features, kernel_init=nn.initializers.orthogonal(gain), bias_init=nn.initializers.zeros, name=name)
 
 
 class MLPActorCritic(nn.Module):
@@ -1587,21 +1588,22 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   (the figures at the top of the page): PyTorch's whole minibatch takes 91 ms in float32
 #   (1.45 s over 16, measured beside it), XLA's products alone 76 ms.
 # * **Float32, where `ppo_atari.py` takes bfloat16 on a CPU that has it.** In jaxlib 0.10.2's
-#   compiled update, a bfloat16 torso makes XLA convert the products' operands back to float32 and
-#   multiply in float32, so the conversions only add copies. Measured here (an AMD EPYC with
-#   `avx512_bf16`), with the layout above, the update took 3.7 s with the torso in bfloat16 against
-#   1.9 s in float32, and its profile showed the first layer's windows converted to float32 alone
-#   taking 49 ms a minibatch. XLA keeps a bfloat16 product in bfloat16 when its first operand is a
-#   matrix laid out row by row and its result is float32; written that way (each kernel's
-#   transpose copied into a matrix of its own), the products did get faster, but XLA's loops that
-#   build and fold back bfloat16 windows are slower than its float32 ones: the first layer's
-#   windows took 72 ms a minibatch against 30 in float32, and the update 3.2 to 3.4 s against 2.0
-#   to 2.2 s, measured one after the other. Two routes tried with the former layout did not pay either: a custom
-#   VJP that gave each weight gradient a batch axis of one, so that XLA sent it to YNNPACK (but
-#   first copied the windows into YNNPACK's layout; the update took 3.5 to 3.9 s against 2.95 s in
-#   float32), and XLA's experimental oneDNN path (`XLA_FLAGS="--xla_cpu_use_onednn=true
-#   --xla_cpu_experimental_onednn_fusion_type=dot"`): the bfloat16 update took 4.10 s against
-#   3.44 s without it, and in float32 the update failed to compile ("partition compile failed").
+#   compiled update, a bfloat16 torso written as the float32 one is makes XLA convert the products'
+#   operands back to float32 and multiply in float32, so the conversions only add copies. Measured
+#   here (an AMD EPYC with `avx512_bf16`), with the layout above, the update took 3.7 s with the
+#   torso in bfloat16 against 1.9 s in float32, and its profile showed the first layer's windows
+#   converted to float32 alone taking 49 ms a minibatch. XLA keeps a bfloat16 product in bfloat16
+#   when its first operand is a matrix laid out row by row and its result is float32; written that
+#   way (each kernel's transpose copied into a matrix of its own), the products did get faster, but
+#   XLA's loops that build and fold back bfloat16 windows are slower than its float32 ones: the
+#   first layer's windows took 72 ms a minibatch against 30 in float32, and the update 3.2 to 3.4 s
+#   against 2.0 to 2.2 s, measured one after the other. Two routes tried with the former layout did
+#   not pay either: a custom VJP that gave each weight gradient a batch axis of one, so that XLA
+#   sent it to YNNPACK (but first copied the windows into YNNPACK's layout; the update took 3.5 to
+#   3.9 s against 2.95 s in float32), and XLA's experimental oneDNN path
+#   (`XLA_FLAGS="--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_fusion_type=dot"`): the
+#   bfloat16 update took 4.10 s against 3.44 s without it, and in float32 the update failed to
+#   compile ("partition compile failed").
 # * **Agents initialised one at a time.** Under `vmap` over seeds, `network.init` would factorise a
 #   batch of matrices at once for the orthogonal initialisation, and jaxlib 0.10.2's batched QR on
 #   the CPU can deadlock: its LAPACK kernel waits for sub-tasks on the thread pool that its own
@@ -1661,15 +1663,13 @@ def columns_product_backward(saved: tuple, grad: jax.Array) -> tuple[jax.Array, 
 columns_product.defvjp(columns_product_forward, columns_product_backward)
 
 
-class ColumnsDense(nn.Module):
-    """`dense`'s layer, with its parameters and their initialisation, applied to columns: `[K, N] -> [F, N]`."""
-
-    features: int
+class ColumnsDense(nn.Dense):
+    """`nn.Dense`, with the same parameters, applied to the columns of its input: `[K, N] -> [features, N]`."""
 
     @nn.compact
     def __call__(self, columns: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", nn.initializers.orthogonal(math.sqrt(2)), (columns.shape[0], self.features))
-        bias = self.param("bias", nn.initializers.zeros, (self.features,))
+        kernel = self.param("kernel", self.kernel_init, (columns.shape[0], self.features), self.param_dtype)
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
         return columns_product(kernel, columns) + bias[:, None]
 
 
@@ -1690,7 +1690,7 @@ class Convolution(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         windows = patches(x, self.kernel, self.stride)
-        outputs = ColumnsDense(self.features, name="Dense_0")(windows.reshape(windows.shape[0], -1))
+        outputs = dense(self.features, name="Dense_0", layer=ColumnsDense)(windows.reshape(windows.shape[0], -1))
         return outputs.reshape(self.features, *windows.shape[1:])
 
 

@@ -54,7 +54,6 @@ OTHER_WINDOWS = "building the windows: the other layers'"
 BACKWARD_COPIES = "backward: the windows' gradients folded back, ReLU masks, copies"
 REST = "everything else"
 KINDS = [FORWARD, INPUT_GRADIENTS, WEIGHT_GRADIENTS, FIRST_WINDOWS, OTHER_WINDOWS, BACKWARD_COPIES, REST]
-PRODUCTS = [FORWARD, INPUT_GRADIENTS, WEIGHT_GRADIENTS]
 
 
 def library_of(name: str, text: str) -> str | None:
@@ -122,8 +121,9 @@ def profile_update() -> tuple[dict, dict, float, float, int]:
 
     def count(name: str | None, nanoseconds: int) -> None:
         split[kind_of(name, program[name], weight_shapes) if name else REST] += nanoseconds
-        if name and library_of(name, program[name]):
-            libraries[library_of(name, program[name])] += nanoseconds
+        library = library_of(name, program[name]) if name else None
+        if library:
+            libraries[library] += nanoseconds
 
     end, last_eigen_product, overlap = events[0][0], None, 0
     for start, stop, name in events:
