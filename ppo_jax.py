@@ -373,15 +373,17 @@ class Gaussian(NamedTuple):
 
 
 def dense(features: int, gain: float = math.sqrt(2), name: str | None = None,
-          layer: type[nn.Dense] = nn.Dense) -> nn.Dense:
+          layer: type[nn.Dense] = nn.Dense, **fields) -> nn.Dense:
     r"""A linear layer with orthogonal weights scaled by `gain` and zero biases.
 
     Orthogonal matrices keep the norm of what passes through, so activations neither explode nor
     vanish with depth; $\sqrt 2$ makes up for the half of a ReLU's input cut to 0. The policy head
     starts at gain 0.01, so the first policy is almost uniform; the value head at gain 1. `layer`
-    is `nn.Dense` or a kind of it (Part 3's `ColumnsDense`, for the convolutions).
+    is `nn.Dense` or a kind of it (Part 3's `WindowsDense`, for the convolutions), and `fields` are
+    its own.
     """
-    return layer(features, kernel_init=nn.initializers.orthogonal(gain), bias_init=nn.initializers.zeros, name=name)
+    return layer(features, kernel_init=nn.initializers.orthogonal(gain), bias_init=nn.initializers.zeros, name=name,
+                 **fields)
 
 
 class MLPActorCritic(nn.Module):
@@ -430,11 +432,11 @@ class MinAtarActorCritic(nn.Module):
         return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
 
 
-def make_network(env: BatchedEnv) -> nn.Module:
-    """The actor-critic for `env`: the DQN paper's CNN for Atari's frames (Part 2), the MinAtar CNN for
-    grids of channels, the MLP for vectors."""
+def make_network(env: BatchedEnv, atari_dtype: Any = jnp.float32) -> nn.Module:
+    """The actor-critic for `env`: the DQN paper's CNN for Atari's frames (Part 2), its convolutions
+    computed in `atari_dtype`; the MinAtar CNN for grids of channels; the MLP for vectors."""
     if isinstance(env, AtariEnv):
-        return NatureActorCritic(env.action_dim)
+        return NatureActorCritic(env.action_dim, atari_dtype)
     if len(env.obs_shape) == 3:
         return MinAtarActorCritic(env.action_dim)
     return MLPActorCritic(env.action_dim, continuous=env.continuous)
@@ -802,9 +804,8 @@ def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformatio
                              Batch(rollout.obs, rollout.actions, rollout.log_probs, rollout.values, advantages, returns,
                                    valid))
 
-        def minibatch_step(carry: tuple, indices: jax.Array) -> tuple[tuple, tuple]:
+        def minibatch_step(carry: tuple, minibatch: Batch) -> tuple[tuple, tuple]:
             agent, stopped, broken = carry
-            minibatch = jax.tree.map(lambda x: x[indices], batch)
             (loss, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(agent.params, minibatch, clip_range)
             direction, opt_state = optimizer.update(grads, agent.opt_state)
             # Adam's step: $\theta \leftarrow \theta - \alpha_k \cdot \mathrm{direction}$, with this update's rate $\alpha_k$.
@@ -817,9 +818,11 @@ def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformatio
             return (agent, stopped, broken), (terms, take, step_rms)
 
         def epoch(carry: tuple, key: jax.Array) -> tuple[tuple, tuple]:
+            # The batch shuffled, then cut into minibatches: each a slice of one copy.
             order = jax.random.permutation(key, config.batch_size)
-            (agent, stopped, broken), (terms, take, step_rms) = jax.lax.scan(
-                minibatch_step, carry, order.reshape(config.num_minibatches, config.minibatch_size))
+            minibatches = jax.tree.map(lambda x: x[order].reshape(config.num_minibatches, config.minibatch_size,
+                                                                  *x.shape[1:]), batch)
+            (agent, stopped, broken), (terms, take, step_rms) = jax.lax.scan(minibatch_step, carry, minibatches)
             if config.target_kl is not None:
                 # `--target-kl` ends the update after a whole epoch whose last minibatch strayed too
                 # far from the old policy, as CleanRL's `break` does: the epochs left do nothing.
@@ -922,15 +925,16 @@ def mean_of_ring(ring: jax.Array, count: jax.Array) -> jax.Array:
     return jnp.where(filled, ring, 0.0).sum() / filled.sum()
 
 
-def make_train(config: Config, env_id: str | None = None) -> Training:
+def make_train(config: Config, env_id: str | None = None, atari_dtype: Any = jnp.float32) -> Training:
     """The training run of one agent on the gymnax environment `env_id` (default: `config.env`), as pure functions.
 
     `train(key) -> (runner, metrics)` is the whole run, its metrics with a leading `[num_updates]`
     axis; `jax.jit(jax.vmap(train))(jax.random.split(key, n))` trains `n` agents, one per key, in one
-    compiled program. `train_chunk(runner, count, length)` is a part of it, `count` updates.
+    compiled program. `train_chunk(runner, count, length)` is a part of it, `count` updates. On
+    Atari, the network's convolutions compute in `atari_dtype` (Part 3's `--precision`).
     """
     env = make_env(env_id or config.env, config.num_envs, config)
-    network = make_network(env)
+    network = make_network(env, atari_dtype)
     optimizer = make_optimizer(config)
     update_agent = make_update_agent(network, optimizer, config)
     # Under `vmap` over agents, each agent's network is initialised on its own, one after another,
@@ -1219,15 +1223,18 @@ class NatureActorCritic(nn.Module):
     """
 
     n_actions: int
+    dtype: Any = jnp.float32
+    """What the convolutions' products compute in: float32, or bfloat16 (`--precision`, Part 3)."""
 
     @nn.compact
     def __call__(self, obs: jax.Array) -> tuple[Categorical, jax.Array]:
-        x = jnp.moveaxis(obs, -3, 0).astype(jnp.float32) / 255.0           # 4 x batch x 84 x 84
-        x = nn.relu(Convolution(32, kernel=8, stride=4)(x))                 # -> 32 x 20 x 20
-        x = nn.relu(Convolution(64, kernel=4, stride=2)(x))                 # -> 64 x 9 x 9
-        x = nn.relu(Convolution(64, kernel=3)(x))                           # -> 64 x 7 x 7
-        x = jnp.moveaxis(x, 0, -1)                                          # -> 7 x 7 x 64
-        hidden = nn.relu(dense(512)(x.reshape(*x.shape[:-3], -1)))
+        x = jnp.moveaxis(obs, -3, 0)                                                    # 4 x batch x 84 x 84
+        x = nn.relu(Convolution(32, 8, stride=4, dtype=self.dtype, scale=1 / 255)(x))   # -> 32 x 20 x 20
+        x = nn.relu(Convolution(64, 4, stride=2, dtype=self.dtype)(x))                  # -> 64 x 9 x 9
+        x = nn.relu(Convolution(64, 3, dtype=self.dtype)(x))                            # -> 64 x 7 x 7
+        # The dense layer on the 7 x 7 x 64 map: a window as large as the map, one output pixel.
+        hidden = dense(512, name="Dense_0", layer=WindowsDense, window=7, dtype=self.dtype)(x)  # -> 512 x 1 x 1
+        hidden = nn.relu(jnp.moveaxis(hidden[..., 0, 0], 0, -1))
         return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
 
 
@@ -1251,6 +1258,9 @@ class NatureActorCritic(nn.Module):
 class RunConfig(AtariConfig):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where JAX runs (`auto`: a GPU when JAX finds one)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Atari: arithmetic of the torso's products, its convolutions and 512-unit layer (`auto`: bfloat16
+    on a CPU with AMX or AVX-512 BF16, float32 elsewhere); the heads, and every other network, are float32."""
     run_dir: str | None = None
     """Where TensorBoard events and checkpoints go (default: runs/<env>__<seed>__<time>)."""
     checkpoint_every: int = 100
@@ -1632,6 +1642,8 @@ def patches(x: jax.Array, kernel: int, stride: int) -> jax.Array:
         x = x.transpose(3, 5, 0, 1, 2, 4).reshape(stride * stride * channels, *batch, height, width)
         kernel //= stride
     height, width = x.shape[-2] - kernel + 1, x.shape[-1] - kernel + 1
+    if height == width == 1:  # one window, the whole image: its values in that order, a transposition
+        return jnp.moveaxis(x, (-2, -1), (0, 1)).reshape(-1, *x.shape[1:-2], 1, 1)
     return jnp.concatenate([x[..., i:i + height, j:j + width] for i in range(kernel) for j in range(kernel)],
                            axis=0)
 
@@ -1663,14 +1675,90 @@ def columns_product_backward(saved: tuple, grad: jax.Array) -> tuple[jax.Array, 
 columns_product.defvjp(columns_product_forward, columns_product_backward)
 
 
-class ColumnsDense(nn.Dense):
-    """`nn.Dense`, with the same parameters, applied to the columns of its input: `[K, N] -> [features, N]`."""
+def windows_product(kernel: jax.Array, x: jax.Array, size: int, stride: int) -> jax.Array:
+    """A dense layer's `kernel` applied to every `size x size` window of `x`: `[C, ..., H, W] -> [F, ..., H', W']`.
+
+    In float32; `x` may be integers (Atari's frames), converted as their windows are built.
+    """
+    windows = patches(x, size, stride)
+    columns = windows.reshape(windows.shape[0], -1).astype(jnp.float32)
+    return columns_product(kernel, columns).reshape(kernel.shape[1], *windows.shape[1:])
+
+
+def bfloat16_matrix(matrix: jax.Array) -> jax.Array:
+    """`matrix` in bfloat16, copied into a matrix of its own laid out row by row (why: see Hardware choices).
+
+    Going through one axis fixes the layout, rows one after the other, and the barrier keeps XLA
+    from folding a transposition into the product that uses the matrix.
+    """
+    return jax.lax.optimization_barrier(matrix.astype(jnp.bfloat16).reshape(-1)).reshape(matrix.shape)
+
+
+def bfloat16_product(a: jax.Array, b: jax.Array, contract: int) -> jax.Array:
+    """`a`'s last axis contracted with `b`'s axis `contract`, both in bfloat16, the sums and the result in float32."""
+    return jax.lax.dot_general(a, b, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def bfloat16_windows_product(kernel: jax.Array, x: jax.Array, size: int, stride: int) -> jax.Array:
+    """`windows_product` with its three products in bfloat16, their sums in float32; the output float32.
+
+    `x` is float32, or integers that bfloat16 holds exactly (Atari's frames, 0 to 255). A float
+    input is rounded to bfloat16 before its windows are built, which are then copies of 16-bit
+    patterns, as fast in XLA as copies of integers; its gradient is folded back from the windows' in
+    float32 (why: see Hardware choices).
+    """
+    return bfloat16_windows_product_forward(kernel, x, size, stride)[0]
+
+
+def bfloat16_windows_product_forward(kernel: jax.Array, x: jax.Array, size: int, stride: int) -> tuple[jax.Array, tuple]:
+    """The product, and what its gradients need: the kernel and the windows in bfloat16, and `x`."""
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        windows = patches(x, size, stride).astype(jnp.bfloat16)
+    else:
+        bits = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+        windows = jax.lax.bitcast_convert_type(patches(bits, size, stride), jnp.bfloat16)
+    columns = windows.reshape(windows.shape[0], -1)
+    outputs = bfloat16_product(bfloat16_matrix(kernel.T), columns, 0)  # [F, K] with [K, N] -> [F, N]
+    return outputs.reshape(kernel.shape[1], *windows.shape[1:]), (bfloat16_matrix(kernel), columns, x)
+
+
+def bfloat16_windows_product_backward(size: int, stride: int, saved: tuple, grad: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Given the output's gradient `grad`, the kernel's (`columns @ grad.T`) and `x`'s (`kernel @ grad`, folded back)."""
+    kernel, columns, x = saved
+    grad = grad.reshape(grad.shape[0], -1).astype(jnp.bfloat16)
+    kernel_grad = bfloat16_product(columns, grad, 1)  # [K, N] with [F, N] -> [K, F]
+    if jnp.issubdtype(x.dtype, jnp.integer):  # frames: no gradient
+        return kernel_grad, np.zeros(x.shape, jax.dtypes.float0)
+    windows_grad = bfloat16_product(kernel, grad, 0)  # [K, F] with [F, N] -> [K, N]
+    windows, fold_back = jax.vjp(lambda x: patches(x, size, stride), x)
+    return kernel_grad, fold_back(windows_grad.reshape(windows.shape))[0]
+
+
+bfloat16_windows_product.defvjp(bfloat16_windows_product_forward, bfloat16_windows_product_backward)
+
+
+class WindowsDense(nn.Dense):
+    """`nn.Dense`, with the same parameters, applied to every `window x window` window of a channels-first
+    image: `[C, ..., H, W] -> [features, ..., H', W']`, its products in `dtype` (float32 or bfloat16).
+
+    `scale` multiplies the products before the bias is added: the input scaled by it, folded into
+    the output (the product is linear).
+    """
+
+    window: int = 1
+    stride: int = 1
+    scale: float = 1.0
 
     @nn.compact
-    def __call__(self, columns: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", self.kernel_init, (columns.shape[0], self.features), self.param_dtype)
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", self.kernel_init, (self.window ** 2 * x.shape[0], self.features), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-        return columns_product(kernel, columns) + bias[:, None]
+        product = bfloat16_windows_product if self.dtype == jnp.bfloat16 else windows_product
+        outputs = product(kernel, x, self.window, self.stride)
+        if self.scale != 1.0:
+            outputs = outputs * self.scale
+        return outputs + bias.reshape(-1, *[1] * (outputs.ndim - 1))
 
 
 class Convolution(nn.Module):
@@ -1680,18 +1768,43 @@ class Convolution(nn.Module):
     channels-last images, computed as a dense layer applied to every window of the input, a matrix
     product over `patches` (why: see above). The weights are `dense`'s, initialised alike (gain
     $\sqrt 2$), with the same names and shapes; `kernel` must be a multiple of `stride`, as it is
-    in both networks that use it, Part 1's MinAtar CNN and Part 2's Nature CNN.
+    in both networks that use it, Part 1's MinAtar CNN and Part 2's Nature CNN. With `dtype`
+    bfloat16 the products compute in bfloat16 and sum in float32 (`--precision`); the parameters,
+    the input and the output stay float32.
     """
 
     features: int
     kernel: int
     stride: int = 1
+    dtype: Any = jnp.float32
+    scale: float = 1.0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        windows = patches(x, self.kernel, self.stride)
-        outputs = dense(self.features, name="Dense_0", layer=ColumnsDense)(windows.reshape(windows.shape[0], -1))
-        return outputs.reshape(self.features, *windows.shape[1:])
+        return dense(self.features, name="Dense_0", layer=WindowsDense, window=self.kernel, stride=self.stride,
+                     dtype=self.dtype, scale=self.scale)(x)
+
+
+def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware: Intel's AMX (`amx_bf16`) or AVX-512 BF16
+    (`avx512_bf16`: AMD Zen 4 and later, some Intel Xeons), read from /proc/cpuinfo."""
+    try:
+        flags = set((Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo).split())
+    except OSError:
+        return False
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+def atari_dtype(precision: str) -> Any:
+    """What the Nature CNN's convolutions compute in, for `--precision` on the device JAX now uses.
+
+    `auto` takes bfloat16 where it shortens training: on a CPU that multiplies in it natively (see
+    Hardware choices), as `ppo_atari.py`'s `auto` does. On a GPU, and on a CPU without it, `auto`
+    keeps float32.
+    """
+    if precision == "auto":
+        return jnp.bfloat16 if jax.default_backend() == "cpu" and cpu_has_fast_bf16() else jnp.float32
+    return jnp.bfloat16 if precision == "bf16" else jnp.float32
 
 
 def choose_device(requested: str) -> str:
@@ -2270,7 +2383,8 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, stop
     """
     choose_device(config.device)
     run = Run(config, env_id, checkpoint, stop, seed_writers=config.num_seeds if config.num_seeds > 1 else 0)
-    training = make_train(config, env_id)
+    dtype = atari_dtype(config.precision)
+    training = make_train(config, env_id, dtype)
     keys = agent_keys(config)
     if checkpoint is None:
         runners = jax.jit(jax.vmap(training.init))(keys)
@@ -2295,7 +2409,8 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, stop
     started = time.perf_counter()
     length = min(config.checkpoint_every, config.num_updates, LONGEST_CHUNK)
     train_chunk = compile_train_chunk(training, length, runners, mesh)
-    print(f"{env_id}: {config.num_seeds} agent(s), compiled in {time.perf_counter() - started:.1f} s; "
+    torso = f" ({'bfloat16' if dtype == jnp.bfloat16 else 'float32'} torso)" if isinstance(training.env, AtariEnv) else ""
+    print(f"{env_id}: {config.num_seeds} agent(s){torso}, compiled in {time.perf_counter() - started:.1f} s; "
           f"logs and checkpoints in {run.dir}", file=sys.stderr)
     run.open_writers()
     progress.restart()
@@ -2462,7 +2577,7 @@ def make_evaluate(network: nn.Module, env: BatchedEnv, record: bool = False) -> 
 def evaluate_compiled(config: RunConfig, env_id: str, checkpoint: dict) -> np.ndarray:
     """`[agents, eval_episodes]` returns of the checkpoint's agents (on Atari, the scores of whole games)."""
     choose_device(config.device)
-    training = make_train(config, env_id)
+    training = make_train(config, env_id, atari_dtype(config.precision))
     # Each agent's parameters and, for continuous actions, the statistics its observations were normalised by.
     template = jax.eval_shape(jax.vmap(training.init), agent_keys(config))
     params = restore_tree(template.agent.params, checkpoint["runners"]["agent"]["params"], config.eval)

@@ -85,14 +85,18 @@ def measure_atari(script: str, iterations: int, warmup: int) -> dict:
     """Agent steps per second of one script's Atari training: Breakout, 8 games x 128 steps, the default update."""
     import numpy as np
 
+    script, _, precision = script.partition(":")
     if script == "ppo_jax":
         import jax
+        import jax.numpy as jnp
 
         import ppo_jax
 
         ppo_jax.choose_device("auto")
-        config = ppo_jax.RunConfig(env=ppo_jax.resolve_env("Breakout")[0], **ppo_jax.PRESETS["Atari"])
-        training = ppo_jax.make_train(config)
+        config = ppo_jax.RunConfig(env=ppo_jax.resolve_env("Breakout")[0], precision=precision or "auto",
+                                   **ppo_jax.PRESETS["Atari"])
+        dtype = ppo_jax.atari_dtype(config.precision)
+        training = ppo_jax.make_train(config, atari_dtype=dtype)
         runner = jax.jit(training.init)(jax.random.key(1))
         programs = {"iteration": jax.jit(training.update), "rollout": jax.jit(training.collect)}
         update_agent = jax.jit(ppo_jax.make_update_agent(training.network, ppo_jax.make_optimizer(config), config))
@@ -109,7 +113,8 @@ def measure_atari(script: str, iterations: int, warmup: int) -> dict:
                 if name == "iteration":
                     runner = result[0]
             seconds[name] = statistics.median(timed)
-        return {"script": script, "sps": config.batch_size / seconds["iteration"],
+        return {"script": script, "precision": "bf16" if dtype == jnp.bfloat16 else "fp32",
+                "sps": config.batch_size / seconds["iteration"],
                 "seconds_per_iteration": seconds["iteration"], "rollout_s": seconds["rollout"],
                 "update_s": seconds["update"]}
 
@@ -117,7 +122,6 @@ def measure_atari(script: str, iterations: int, warmup: int) -> dict:
 
     import ppo_atari as module
 
-    script, _, precision = script.partition(":")
     env_id = module.resolve_env_id("Breakout")
     config = module.RunConfig(env=env_id, num_envs=8, precision=precision or "auto")
     num_workers = min(config.num_envs, len(os.sched_getaffinity(0)))
@@ -237,7 +241,7 @@ def main() -> None:
     if args.part in ("process", "all"):
         kinds += [("process", str(seeds)) for seeds in args.seeds]
     if args.part in ("atari", "all"):
-        kinds += [("atari", "ppo_jax"), ("atari", "ppo_atari"), ("atari", "ppo_atari:fp32"),
+        kinds += [("atari", "ppo_jax"), ("atari", "ppo_jax:fp32"), ("atari", "ppo_atari"), ("atari", "ppo_atari:fp32"),
                   ("games", "ppo_jax"), ("games", "ppo_atari")]
     for _ in range(args.repeats):
         for kind in kinds:
@@ -264,6 +268,8 @@ def main() -> None:
             if value.startswith("ppo_atari"):
                 env = f" (of which the games {median_of(runs, 'env_s'):.2f})"
                 value = f"ppo_atari, its torso in {runs[0]['precision']}"
+            else:
+                value = f"ppo_jax, its convolutions in {runs[0]['precision']}"
             print(f"(c) {value} on Breakout, 8 games x 128 steps: {median_of(runs, 'sps'):,.0f} SPS | per iteration "
                   f"{median_of(runs, 'seconds_per_iteration'):.2f} s; rollout {median_of(runs, 'rollout_s'):.2f} s"
                   f"{env}, update {median_of(runs, 'update_s'):.2f} s   [load {loads}]")

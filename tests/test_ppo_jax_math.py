@@ -287,6 +287,66 @@ def test_columns_product_has_the_gradients_of_a_product():
     np.testing.assert_allclose(batched[0], ours[0], rtol=1e-5, atol=1e-6)
 
 
+def bfloat16_rounded(x):
+    return jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("kernel, stride, size, integers", [(3, 1, 9, False), (4, 2, 20, False), (8, 4, 84, True),
+                                                            (7, 1, 7, False)])
+def test_bfloat16_windows_product_is_the_float32_one_on_rounded_operands(kernel, stride, size, integers):
+    # The products take their operands rounded to bfloat16 (the output's gradient too) and sum in
+    # float32: on operands already rounded, and an output gradient that bfloat16 holds exactly,
+    # they must be float32's, and so must both gradients, alone and under vmap.
+    rng = np.random.default_rng(size)
+    if integers:  # frames: uint8, no gradient of their own
+        x = jnp.asarray(rng.integers(0, 256, (3, 2, size, size)), jnp.uint8)
+    else:
+        x = bfloat16_rounded(rng.normal(size=(3, 2, size, size)))
+    weights = jnp.asarray(rng.normal(size=(kernel * kernel * 3, 5)), jnp.float32)
+    out_grad = bfloat16_rounded(rng.normal(size=ppo_jax.windows_product(weights, x, kernel, stride).shape))
+
+    def loss(product, weights, x):
+        return jnp.sum(out_grad * product(weights, x, kernel, stride))
+
+    argnums = (0,) if integers else (0, 1)
+    ours = jax.value_and_grad(functools.partial(loss, ppo_jax.bfloat16_windows_product), argnums)(weights, x)
+    reference = jax.value_and_grad(functools.partial(loss, ppo_jax.windows_product), argnums)(bfloat16_rounded(weights), x)
+    np.testing.assert_allclose(ours[0], reference[0], rtol=1e-5)
+    for mine, theirs in zip(ours[1], reference[1]):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-5 * float(jnp.abs(theirs).max()))
+    # Unrounded weights: the output within bfloat16's rounding of float32's.
+    exact = ppo_jax.windows_product(weights, x, kernel, stride)
+    np.testing.assert_allclose(ppo_jax.bfloat16_windows_product(weights, x, kernel, stride), exact,
+                               atol=0.02 * float(jnp.abs(exact).max()))
+    batched = jax.vmap(jax.grad(functools.partial(loss, ppo_jax.bfloat16_windows_product)))(
+        jnp.stack([weights, 2 * weights]), jnp.stack([x, x]))
+    np.testing.assert_allclose(batched[0], ours[1][0], rtol=1e-5, atol=1e-5 * float(jnp.abs(ours[1][0]).max()))
+
+
+def test_nature_cnn_in_bfloat16_is_the_float32_one_within_rounding():
+    # Same parameters, same names: a checkpoint trained in one precision loads in the other, and
+    # the two networks compute the same function up to bfloat16's rounding.
+    frames = jnp.asarray(np.random.default_rng(2).integers(0, 256, (6, 4, 84, 84)), jnp.uint8)
+    params = ppo_jax.NatureActorCritic(4).init(jax.random.key(0), frames)
+    assert jax.tree.structure(params) == jax.tree.structure(
+        ppo_jax.NatureActorCritic(4, jnp.bfloat16).init(jax.random.key(0), frames))
+    params = jax.tree.map(lambda w: w + 0.01 * jnp.sign(w), params)  # non-zero biases, a less uniform policy
+    (policy32, values32), (policy16, values16) = (ppo_jax.NatureActorCritic(4, dtype).apply(params, frames)
+                                                  for dtype in (jnp.float32, jnp.bfloat16))
+    np.testing.assert_allclose(policy16.logits, policy32.logits, atol=0.02 * float(jnp.abs(policy32.logits).max()))
+    np.testing.assert_allclose(values16, values32, atol=0.02 * float(jnp.abs(values32).max()))
+
+
+@pytest.mark.parametrize("flags, fast", [("fpu sse2 avx2 fma", False), ("avx2 avx512f avx512_bf16", True),
+                                         ("avx512f amx_bf16 amx_tile", True)])
+def test_precision_auto_takes_bfloat16_only_on_a_cpu_that_has_it(monkeypatch, flags, fast):
+    assert ppo_jax.cpu_has_fast_bf16(f"flags\t\t: {flags}\n") is fast
+    monkeypatch.setattr(ppo_jax, "cpu_has_fast_bf16", lambda: fast)
+    assert jax.default_backend() == "cpu"
+    assert ppo_jax.atari_dtype("auto") == (jnp.bfloat16 if fast else jnp.float32)
+    assert ppo_jax.atari_dtype("bf16") == jnp.bfloat16 and ppo_jax.atari_dtype("fp32") == jnp.float32
+
+
 @pytest.mark.parametrize("network, obs", [(ppo_jax.MinAtarActorCritic(6), (10, 10, 4)),
                                           (ppo_jax.NatureActorCritic(4), (4, 84, 84))])
 def test_cnns_are_their_channels_last_definitions(network, obs):
