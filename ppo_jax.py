@@ -1218,13 +1218,16 @@ class NatureActorCritic(nn.Module):
     """For Atari frames: the DQN paper's "Nature CNN" torso, shared by a policy head and a value head.
 
     Frames arrive as `uint8` stacks, channels first as the vector env writes them, and are scaled to
-    [0, 1]. The convolutions take the channels first, ahead of the batch; the last one's output is
-    laid out channels last, as `nn.Conv`'s would be, before it is flattened.
+    [0, 1]: the first layer takes their integers, exact in float32 and bfloat16 alike, and scales
+    its products by 1/255, which is the same function. The convolutions take the channels first,
+    ahead of the batch. The 512-unit layer reads the last map as one window as large as the map,
+    its values ordered as a channels-last map is flattened, as `nn.Dense` would read it (both
+    choices: Hardware choices, Part 3).
     """
 
     n_actions: int
     dtype: Any = jnp.float32
-    """What the convolutions' products compute in: float32, or bfloat16 (`--precision`, Part 3)."""
+    """What the torso's products compute in: float32, or bfloat16 (`--precision`, Part 3)."""
 
     @nn.compact
     def __call__(self, obs: jax.Array) -> tuple[Categorical, jax.Array]:
@@ -1560,8 +1563,9 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 
 # ### Hardware choices
 #
-# Four choices in Part 1 are made for XLA's CPU backend. All hold on every backend, so that the
-# program, and what it computes, is the same everywhere:
+# Five choices in Part 1 are made for XLA's CPU backend. The first four hold on every backend, so
+# that the program, and what it computes, is the same everywhere; the last, the torso's precision,
+# is made per machine, as `ppo_atari.py` makes it:
 #
 # * **Convolutions as matrix products.** Inside a loop, and the update is two nested scans, XLA's
 #   CPU backend computes a convolution's gradient with a generic, unoptimised kernel (jax-ml/jax
@@ -1569,12 +1573,12 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   frames took 3.67 s inside a scan against 0.46 s outside it; as a matrix product over the windows
 #   of the input (`patches`) it takes 0.13 s inside a scan and 0.17 s outside (`python
 #   benchmarks/ppo_jax_profile.py --convolutions`). The networks' convolutions are therefore
-#   `Convolution`, below: the same function as flax's `nn.Conv`, computed another way. Two other
-#   ways of computing the first layer gave no faster update, measured with the former layout (next
-#   item): its windows built from the `uint8` frames and converted to floats afterwards (2.64 and
-#   2.80 s an update, against 2.80 to 2.85 s), and one product over the unshifted input whose
-#   outputs are shifted and summed (the first layer's gradient alone twice as slow: 0.28 s for 256
-#   frames against 0.14 s).
+#   `Convolution`, below: the same function as flax's `nn.Conv`, computed another way. The Nature
+#   CNN's 512-unit layer, which reads the last 7 x 7 x 64 map, is the same kind of product with one
+#   window as large as the map, so that its gradients take the forms of the next item too. Another
+#   way of computing the first layer was slower, measured with the former layout (next item): one
+#   product over the unshifted input whose outputs are shifted and summed (the first layer's
+#   gradient alone twice as slow: 0.28 s for 256 frames against 0.14 s).
 # * **Channels first, each window a column.** A layer's matrix product comes three times in a
 #   gradient step: in the forward pass, and in the backward pass for the gradient with respect to
 #   the layer's input and for the one with respect to its weights. jaxlib 0.10.2's CPU backend gives
@@ -1589,31 +1593,42 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   an update of 8 games x 128 steps 2.09 s against 2.92 s with the channels last
 #   (`python benchmarks/ppo_jax_speed.py --part atari`, the two versions one after the other). The
 #   networks compute the same function from the same parameters, initialised alike: `Convolution`
-#   keeps `dense`'s parameter names and shapes, each CNN lays its last convolution's output
+#   keeps `dense`'s parameter names and shapes, the Nature CNN's 512-unit layer orders a window's
+#   values as a channels-last map is flattened, the MinAtar CNN lays its convolution's output
 #   channels last again before flattening it, and a test checks both CNNs against their
 #   channels-last definitions written with flax's `nn.Conv`. Atari's frames arrive channels first in
-#   any case. A profile of the update (`python benchmarks/ppo_jax_profile.py`, 16 minibatches of 256
-#   frames in 2.1 s) puts 58% of it in the products, 30% in the copies that build the windows (23%
-#   for the first layer's alone) and 12% in the rest. XLA's update is still slower than PyTorch's
-#   (the figures at the top of the page): PyTorch's whole minibatch takes 91 ms in float32
-#   (1.45 s over 16, measured beside it), XLA's products alone 76 ms.
-# * **Float32, where `ppo_atari.py` takes bfloat16 on a CPU that has it.** In jaxlib 0.10.2's
-#   compiled update, a bfloat16 torso written as the float32 one is makes XLA convert the products'
-#   operands back to float32 and multiply in float32, so the conversions only add copies. Measured
-#   here (an AMD EPYC with `avx512_bf16`), with the layout above, the update took 3.7 s with the
-#   torso in bfloat16 against 1.9 s in float32, and its profile showed the first layer's windows
-#   converted to float32 alone taking 49 ms a minibatch. XLA keeps a bfloat16 product in bfloat16
-#   when its first operand is a matrix laid out row by row and its result is float32; written that
-#   way (each kernel's transpose copied into a matrix of its own), the products did get faster, but
-#   XLA's loops that build and fold back bfloat16 windows are slower than its float32 ones: the
-#   first layer's windows took 72 ms a minibatch against 30 in float32, and the update 3.2 to 3.4 s
-#   against 2.0 to 2.2 s, measured one after the other. Two routes tried with the former layout did
-#   not pay either: a custom VJP that gave each weight gradient a batch axis of one, so that XLA
-#   sent it to YNNPACK (but first copied the windows into YNNPACK's layout; the update took 3.5 to
-#   3.9 s against 2.95 s in float32), and XLA's experimental oneDNN path
-#   (`XLA_FLAGS="--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_fusion_type=dot"`): the
-#   bfloat16 update took 4.10 s against 3.44 s without it, and in float32 the update failed to
-#   compile ("partition compile failed").
+#   any case. A profile of that update (`python benchmarks/ppo_jax_profile.py`, 16 minibatches of
+#   256 frames in 2.1 s) put 58% of it in the products, 30% in the copies that build the windows
+#   (23% for the first layer's alone) and 12% in the rest. With the next two items, the float32
+#   update PROFILE
+# * **Minibatches cut from one shuffled copy of the batch.** Each epoch shuffles the batch once and
+#   cuts it into minibatches, as PureJaxRL does, rather than gathering each minibatch's frames
+#   from the batch as it is used. XLA fused such a gather into the copies that build the first
+#   layer's windows, which then took 26 ms a minibatch in float32, against 8 ms with the shuffled
+#   copy (`python benchmarks/ppo_jax_profile.py`). The minibatches, and what is computed from them,
+#   are the same.
+# * **bfloat16 on a CPU that multiplies in it, float32 elsewhere** (`--precision`, as
+#   `ppo_atari.py`'s). On a CPU with AMX or AVX-512 BF16, the torso's products (the three
+#   convolutions and the 512-unit layer) take their operands in bfloat16 and sum in float32; the
+#   parameters, the heads, the loss and Adam stay in float32. jaxlib 0.10.2's CPU backend keeps a
+#   bfloat16 product in bfloat16 only in some forms: its first operand a matrix of its own, laid
+#   out row by row, whose last axis is contracted, and its result float32. In other forms it
+#   converts the operands back to float32 first, so that bfloat16 only adds copies (a torso written
+#   like the float32 one made the update 3.7 s against 1.9 s), and one form tried for the dense
+#   layer failed when run ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32").
+#   `bfloat16_windows_product` writes its three products in the forms that stay in bfloat16. Two
+#   more things were needed. XLA's loops that copy bfloat16 values into windows were slower than its
+#   float32 ones (72 ms a minibatch for the first layer's, against 30), so the windows are copied
+#   as their 16-bit patterns, integers to XLA; and the frames enter the first layer as their
+#   integers, which bfloat16 holds exactly, its output scaled by 1/255 afterwards (the same
+#   function; float32 does it too). Measured here (an AMD EPYC with AVX-512 BF16; `python
+#   benchmarks/ppo_jax_speed.py --part atari`), the update of 8 games x 128 steps took UPD16 s in
+#   bfloat16 against UPD32 s in float32, and a whole iteration ran at SPS16 steps a second against
+#   SPS32. It learns as float32 does, within the spread of seeds: seed 1 of Breakout in bfloat16 scored
+#   LEARN (the real score of the last 100 games at 250k and 500k steps, the 10M schedule), against
+#   11.5 and 15.0 in float32 (the curve of Part 1's introduction) and 13.3 and 17.5 in float32 again
+#   with the channels first. On a GPU, and on a CPU without bfloat16 in hardware, `auto` keeps
+#   float32.
 # * **Agents initialised one at a time.** Under `vmap` over seeds, `network.init` would factorise a
 #   batch of matrices at once for the orthogonal initialisation, and jaxlib 0.10.2's batched QR on
 #   the CPU can deadlock: its LAPACK kernel waits for sub-tasks on the thread pool that its own
@@ -1769,8 +1784,8 @@ class Convolution(nn.Module):
     product over `patches` (why: see above). The weights are `dense`'s, initialised alike (gain
     $\sqrt 2$), with the same names and shapes; `kernel` must be a multiple of `stride`, as it is
     in both networks that use it, Part 1's MinAtar CNN and Part 2's Nature CNN. With `dtype`
-    bfloat16 the products compute in bfloat16 and sum in float32 (`--precision`); the parameters,
-    the input and the output stay float32.
+    bfloat16 the products compute in bfloat16 and sum in float32 (`--precision`); the parameters
+    and the output stay float32. `scale` multiplies the products before the bias: the input scaled.
     """
 
     features: int

@@ -1,7 +1,8 @@
 """Where the time of ppo_jax.py's Atari update goes: one update profiled, its time split by kind of work.
 
 The update of one iteration (Breakout, the default settings: 8 games x 128 steps, 4 epochs of 4
-minibatches of 256 frames) is compiled, run twice to warm up, and run once more under
+minibatches of 256 frames; the torso in `--precision`, by default bfloat16 on a CPU that
+multiplies in it, as ppo_jax.py's) is compiled, run twice to warm up, and run once more under
 `jax.profiler`. The profile names each operation of the compiled program as it runs, and the
 program's own text says what each one computes: a product of the forward pass, a product of the
 backward pass, a copy that builds the windows of a convolution (`patches` in ppo_jax.py), and so on.
@@ -14,7 +15,7 @@ to the Eigen product launched last before it. The table ends with how much of th
 each library took (which products go where: ppo_jax.py's Hardware choices, Part 3).
 
     python benchmarks/ppo_jax_profile.py
-    python benchmarks/ppo_jax_profile.py --json split.json
+    python benchmarks/ppo_jax_profile.py --precision fp32 --json split.json
 
 With `--convolutions`, it measures instead why ppo_jax.py's convolutions are matrix products: one
 gradient step of the Nature CNN on 256 frames, with flax's `nn.Conv` and with ppo_jax.py's
@@ -79,19 +80,22 @@ def kind_of(name: str, text: str, weight_shapes: set[str]) -> str:
         if not backward:
             return FORWARD
         return WEIGHT_GRADIENTS if text.split(" = ")[1].split("{")[0] in weight_shapes else INPUT_GRADIENTS
-    if not backward and re.search(r"Convolution_\d+/(concatenate|slice)", op_name):
+    # A layer's windows: slices put together, converted to the products' precision on the way (the
+    # 512-unit layer's single window is a transposition).
+    if not backward and re.search(r"ActorCritic\)/(Convolution_\d+/)?Dense_0/"
+                                  r"(concatenate|slice|transpose|convert_element_type|bitcast_convert_type)$", op_name):
         return FIRST_WINDOWS if "Convolution_0/" in op_name else OTHER_WINDOWS
     if backward and op_name.endswith("ActorCritic))/select_n"):  # the network's own, not the optimizer's
         return BACKWARD_COPIES
     return REST
 
 
-def profile_update() -> tuple[dict, dict, float, float, int]:
-    """Profile one update: the milliseconds of each kind of work and of each library's products, the
-    update's seconds, the overlap, and its minibatches."""
+def profile_update(precision: str = "auto") -> tuple[dict, dict, float, float, int]:
+    """Profile one update in `precision` (ppo_jax.py's `--precision`): the milliseconds of each kind of
+    work and of each library's products, the update's seconds, the overlap, and its minibatches."""
     ppo_jax.choose_device("cpu")
     config = ppo_jax.RunConfig(env=ppo_jax.resolve_env("Breakout")[0], **ppo_jax.PRESETS["Atari"])
-    training = ppo_jax.make_train(config)
+    training = ppo_jax.make_train(config, atari_dtype=ppo_jax.atari_dtype(precision))
     runner = jax.jit(training.init)(jax.random.key(1))
     rollout = jax.jit(training.collect)(runner)[1]
     update = jax.jit(ppo_jax.make_update_agent(training.network, ppo_jax.make_optimizer(config), config))
@@ -211,6 +215,8 @@ def time_convolutions(num_frames: int = 256, repeats: int = 3) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the split here")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                        help="the torso's, as ppo_jax.py's flag (auto: bfloat16 on a CPU that multiplies in it)")
     parser.add_argument("--convolutions", action="store_true",
                         help="time a gradient step with flax's nn.Conv and with Convolution instead")
     args = parser.parse_args()
@@ -218,9 +224,10 @@ def main() -> None:
         for (name, where), seconds in time_convolutions().items():
             print(f"one gradient step of the Nature CNN on 256 frames, {name}, {where}: {seconds:.2f} s")
         return
-    split, libraries, seconds, overlap, minibatches = profile_update()
+    split, libraries, seconds, overlap, minibatches = profile_update(args.precision)
     profiled = sum(split.values())
-    print(f"ppo_jax.py's update on Breakout, 8 games x 128 steps ({minibatches} minibatches): "
+    precision = "bfloat16" if ppo_jax.atari_dtype(args.precision) == jnp.bfloat16 else "float32"
+    print(f"ppo_jax.py's update on Breakout, 8 games x 128 steps ({minibatches} minibatches, the torso in {precision}): "
           f"{seconds:.2f} s under the profiler, {profiled / 1e3:.2f} s of it in the profiled operations "
           f"(operations overlapping: {overlap:.0f} ms)")
     print("| kind of work | ms per update | ms per minibatch | share |\n|---|---|---|---|")

@@ -7,8 +7,8 @@
     exit: Python's start, imports, compilation, training, TensorBoard events and checkpoints.
 (c) Atari: agent steps per second of ppo_jax.py's compiled iteration (ale-py's vector env stepped
     inside the program) beside ppo_atari.py's trainer (worker processes), with the same settings
-    (Breakout, 8 games x 128 steps, the default update); ppo_atari.py twice, in its default
-    precision (bfloat16 on a CPU that has it) and in float32, the precision ppo_jax.py computes in.
+    (Breakout, 8 games x 128 steps, the default update); each script twice, in its default
+    precision (bfloat16 on a CPU that multiplies in it, float32 elsewhere) and in float32.
     ppo_jax.py's iteration is one program, so its rollout (games and inference) and its update are
     also timed as programs of their own. And the games alone, random actions, no network:
     ppo_jax.py's `AtariEnv` in a compiled scan against ppo_atari.py's `Workers`.
