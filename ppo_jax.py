@@ -75,12 +75,12 @@ channels first scored 13.3, 17.5, 21.0 and 27.8 at 250k, 500k, 750k and 1M steps
 15.0, 19.0 and 27.4 in the curve.
 
 Atari Breakout, its games stepped inside the compiled program (Part 2), measured one after the
-other on 2 cores of an AMD EPYC: 387 steps a second, against 434 for `ppo_atari.py` in float32 and
-603 in bfloat16, its default on that CPU. The games alone step faster here than through
-`ppo_atari.py`'s worker processes (4,097 steps a second against 3,495); the update is what limits a
-CPU: an iteration of 8 games x 128 steps is updated in 2.09 s in XLA against 1.45 s in PyTorch in
-float32 (where XLA's time goes, and how laying the convolutions out channels first took it down
-from 2.92 s: Hardware choices, Part 3).
+other on 2 cores of an AMD EPYC with AVX-512 BF16: SPS16 steps a second with the torso in bfloat16,
+the default on that CPU as it is `ppo_atari.py`'s, against ATARI16 for `ppo_atari.py`; in float32,
+SPS32 against ATARI32. The games alone step faster here than through `ppo_atari.py`'s worker processes
+(GAMESJ steps a second against GAMESA); the update is what limits a CPU: an iteration of 8 games x
+128 steps is updated in UPD16 s in XLA against AUPD16 s in PyTorch, both in bfloat16 (where XLA's
+time goes, and what took it down from 2.92 s: Hardware choices, Part 3).
 
 Papers and projects: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); PureJaxRL, the whole run as one JAX program (Lu et al., 2022, "Discovered Policy

@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -153,11 +154,15 @@ class FlaxConvolution(nn.Module):
     features: int
     kernel: int
     stride: int = 1
+    dtype: Any = jnp.float32
+    scale: float = 1.0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        convolution = nn.Conv(self.features, (self.kernel, self.kernel), strides=self.stride, padding="VALID")
-        return jnp.moveaxis(convolution(jnp.moveaxis(x, 0, -1)), -1, 0)
+        convolution = nn.Conv(self.features, (self.kernel, self.kernel), strides=self.stride, padding="VALID",
+                              dtype=self.dtype)
+        x = jnp.moveaxis(x, 0, -1).astype(jnp.float32) * self.scale  # the product of the input scaled is the product scaled
+        return jnp.moveaxis(convolution(x), -1, 0).astype(jnp.float32)
 
 
 @contextlib.contextmanager
