@@ -72,14 +72,15 @@ as `ppo_atari.py` does: the real scores of the last 100 whole games average 14.8
 1M for CleanRL. The curve was made before the convolutions took their channels first (Hardware
 choices, Part 3), which computes the same function faster; seed 1 trained again with the
 channels first scored 13.3, 17.5, 21.0 and 27.8 at 250k, 500k, 750k and 1M steps, against 11.5,
-15.0, 19.0 and 27.4 in the curve.
+15.0, 19.0 and 27.4 in the curve. Both trained in float32; in bfloat16, now the default on that
+CPU, seed 1 scored 11.3 and 15.1 at 250k and 500k steps (Hardware choices, Part 3).
 
 Atari Breakout, its games stepped inside the compiled program (Part 2), measured one after the
-other on 2 cores of an AMD EPYC with AVX-512 BF16: SPS16 steps a second with the torso in bfloat16,
-the default on that CPU as it is `ppo_atari.py`'s, against ATARI16 for `ppo_atari.py`; in float32,
-SPS32 against ATARI32. The games alone step faster here than through `ppo_atari.py`'s worker processes
-(GAMESJ steps a second against GAMESA); the update is what limits a CPU: an iteration of 8 games x
-128 steps is updated in UPD16 s in XLA against AUPD16 s in PyTorch, both in bfloat16 (where XLA's
+other on 2 cores of an AMD EPYC with AVX-512 BF16: 539 steps a second with the torso in bfloat16,
+the default on that CPU as it is `ppo_atari.py`'s, against 667 for `ppo_atari.py`; in float32,
+446 against 453. The games alone step faster here than through `ppo_atari.py`'s worker processes
+(4,426 steps a second against 3,898); the update is what limits a CPU: an iteration of 8 games x
+128 steps is updated in 1.35 s in XLA against 0.87 s in PyTorch, both in bfloat16 (where XLA's
 time goes, and what took it down from 2.92 s: Hardware choices, Part 3).
 
 Papers and projects: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
@@ -1600,7 +1601,10 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   any case. A profile of that update (`python benchmarks/ppo_jax_profile.py`, 16 minibatches of
 #   256 frames in 2.1 s) put 58% of it in the products, 30% in the copies that build the windows
 #   (23% for the first layer's alone) and 12% in the rest. With the next two items, the float32
-#   update PROFILE
+#   update takes 1.74 s under the profiler: 71 ms a minibatch in the products, all of them in
+#   YNNPACK, 17 ms in the windows' copies and 21 ms in the rest; in bfloat16 (the last item) 1.27 s,
+#   40 ms a minibatch of it in the products. PyTorch's update is still shorter: 0.87 s in bfloat16
+#   (the figures at the top of the page).
 # * **Minibatches cut from one shuffled copy of the batch.** Each epoch shuffles the batch once and
 #   cuts it into minibatches, as PureJaxRL does, rather than gathering each minibatch's frames
 #   from the batch as it is used. XLA fused such a gather into the copies that build the first
@@ -1622,13 +1626,13 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   as their 16-bit patterns, integers to XLA; and the frames enter the first layer as their
 #   integers, which bfloat16 holds exactly, its output scaled by 1/255 afterwards (the same
 #   function; float32 does it too). Measured here (an AMD EPYC with AVX-512 BF16; `python
-#   benchmarks/ppo_jax_speed.py --part atari`), the update of 8 games x 128 steps took UPD16 s in
-#   bfloat16 against UPD32 s in float32, and a whole iteration ran at SPS16 steps a second against
-#   SPS32. It learns as float32 does, within the spread of seeds: seed 1 of Breakout in bfloat16 scored
-#   LEARN (the real score of the last 100 games at 250k and 500k steps, the 10M schedule), against
-#   11.5 and 15.0 in float32 (the curve of Part 1's introduction) and 13.3 and 17.5 in float32 again
-#   with the channels first. On a GPU, and on a CPU without bfloat16 in hardware, `auto` keeps
-#   float32.
+#   benchmarks/ppo_jax_speed.py --part atari`), the update of 8 games x 128 steps took 1.35 s in
+#   bfloat16 against 1.75 s in float32, and a whole iteration ran at 539 steps a second against
+#   446. One seed so far says that it learns as float32 does: seed 1 of Breakout in bfloat16
+#   scored 11.3 and 15.1 (the real score of the last 100 games at 250k and 500k steps, the 10M
+#   schedule), against 11.5 and 15.0 in float32 (the curve of Part 1's introduction) and 13.3 and
+#   17.5 in float32 again with the channels first. On a GPU, and on a CPU without bfloat16 in
+#   hardware, `auto` keeps float32.
 # * **Agents initialised one at a time.** Under `vmap` over seeds, `network.init` would factorise a
 #   batch of matrices at once for the orthogonal initialisation, and jaxlib 0.10.2's batched QR on
 #   the CPU can deadlock: its LAPACK kernel waits for sub-tasks on the thread pool that its own

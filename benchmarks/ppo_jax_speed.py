@@ -269,7 +269,7 @@ def main() -> None:
                 env = f" (of which the games {median_of(runs, 'env_s'):.2f})"
                 value = f"ppo_atari, its torso in {runs[0]['precision']}"
             else:
-                value = f"ppo_jax, its convolutions in {runs[0]['precision']}"
+                value = f"ppo_jax, its torso in {runs[0]['precision']}"
             print(f"(c) {value} on Breakout, 8 games x 128 steps: {median_of(runs, 'sps'):,.0f} SPS | per iteration "
                   f"{median_of(runs, 'seconds_per_iteration'):.2f} s; rollout {median_of(runs, 'rollout_s'):.2f} s"
                   f"{env}, update {median_of(runs, 'update_s'):.2f} s   [load {loads}]")
