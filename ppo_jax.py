@@ -1609,8 +1609,8 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   cuts it into minibatches, as PureJaxRL does, rather than gathering each minibatch's frames
 #   from the batch as it is used. XLA fused such a gather into the copies that build the first
 #   layer's windows, which then took 26 ms a minibatch in float32, against 8 ms with the shuffled
-#   copy (`python benchmarks/ppo_jax_profile.py`). The minibatches, and what is computed from them,
-#   are the same.
+#   copy (the update profiled as `python benchmarks/ppo_jax_profile.py` profiles it). The
+#   minibatches, and what is computed from them, are the same.
 # * **bfloat16 on a CPU that multiplies in it, float32 elsewhere** (`--precision`, as
 #   `ppo_atari.py`'s). On a CPU with AMX or AVX-512 BF16, the torso's products (the three
 #   convolutions and the 512-unit layer) take their operands in bfloat16 and sum in float32; the
