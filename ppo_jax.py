@@ -73,7 +73,7 @@ as `ppo_atari.py` does: the real scores of the last 100 whole games average 14.8
 choices, Part 3), which computes the same function faster; seed 1 trained again with the
 channels first scored 13.3, 17.5, 21.0 and 27.8 at 250k, 500k, 750k and 1M steps, against 11.5,
 15.0, 19.0 and 27.4 in the curve. Both trained in float32; in bfloat16, now the default on that
-CPU, seed 1 scored 11.3 and 15.1 at 250k and 500k steps (Hardware choices, Part 3).
+CPU, seed 1 scored 11.3, 15.1, 19.4 and 23.2 at the same steps (Hardware choices, Part 3).
 
 Atari Breakout, its games stepped inside the compiled program (Part 2), measured one after the
 other on 2 cores of an AMD EPYC with AVX-512 BF16: 539 steps a second with the torso in bfloat16,
@@ -1628,11 +1628,11 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   function; float32 does it too). Measured here (an AMD EPYC with AVX-512 BF16; `python
 #   benchmarks/ppo_jax_speed.py --part atari`), the update of 8 games x 128 steps took 1.35 s in
 #   bfloat16 against 1.75 s in float32, and a whole iteration ran at 539 steps a second against
-#   446. One seed so far says that it learns as float32 does: seed 1 of Breakout in bfloat16
-#   scored 11.3 and 15.1 (the real score of the last 100 games at 250k and 500k steps, the 10M
-#   schedule), against 11.5 and 15.0 in float32 (the curve of Part 1's introduction) and 13.3 and
-#   17.5 in float32 again with the channels first. On a GPU, and on a CPU without bfloat16 in
-#   hardware, `auto` keeps float32.
+#   446. It learns as float32 does, as far as one seed shows: seed 1 of Breakout in bfloat16 scored
+#   11.3, 15.1, 19.4 and 23.2 (the real score of the last 100 games at 250k, 500k, 750k and 1M
+#   steps, the 10M schedule), between the two float32 seeds of Part 1's curve (seed 1: 11.5, 15.0,
+#   19.0 and 27.4; seed 2: 11.2, 14.6, 18.6 and 19.0), whose mean at 1M is also 23.2. On a GPU, and
+#   on a CPU without bfloat16 in hardware, `auto` keeps float32.
 # * **Agents initialised one at a time.** Under `vmap` over seeds, `network.init` would factorise a
 #   batch of matrices at once for the orthogonal initialisation, and jaxlib 0.10.2's batched QR on
 #   the CPU can deadlock: its LAPACK kernel waits for sub-tasks on the thread pool that its own
