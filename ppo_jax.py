@@ -433,11 +433,11 @@ class MinAtarActorCritic(nn.Module):
         return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
 
 
-def make_network(env: BatchedEnv, atari_dtype: Any = jnp.float32) -> nn.Module:
-    """The actor-critic for `env`: the DQN paper's CNN for Atari's frames (Part 2), its convolutions
-    computed in `atari_dtype`; the MinAtar CNN for grids of channels; the MLP for vectors."""
+def make_network(env: BatchedEnv, torso_dtype: Any = jnp.float32) -> nn.Module:
+    """The actor-critic for `env`: the DQN paper's CNN for Atari's frames (Part 2), its torso's products
+    computed in `torso_dtype`; the MinAtar CNN for grids of channels; the MLP for vectors."""
     if isinstance(env, AtariEnv):
-        return NatureActorCritic(env.action_dim, atari_dtype)
+        return NatureActorCritic(env.action_dim, torso_dtype)
     if len(env.obs_shape) == 3:
         return MinAtarActorCritic(env.action_dim)
     return MLPActorCritic(env.action_dim, continuous=env.continuous)
@@ -926,16 +926,16 @@ def mean_of_ring(ring: jax.Array, count: jax.Array) -> jax.Array:
     return jnp.where(filled, ring, 0.0).sum() / filled.sum()
 
 
-def make_train(config: Config, env_id: str | None = None, atari_dtype: Any = jnp.float32) -> Training:
+def make_train(config: Config, env_id: str | None = None, torso_dtype: Any = jnp.float32) -> Training:
     """The training run of one agent on the gymnax environment `env_id` (default: `config.env`), as pure functions.
 
     `train(key) -> (runner, metrics)` is the whole run, its metrics with a leading `[num_updates]`
     axis; `jax.jit(jax.vmap(train))(jax.random.split(key, n))` trains `n` agents, one per key, in one
     compiled program. `train_chunk(runner, count, length)` is a part of it, `count` updates. On
-    Atari, the network's convolutions compute in `atari_dtype` (Part 3's `--precision`).
+    Atari, the torso's products compute in `torso_dtype` (Part 3's `--precision`).
     """
     env = make_env(env_id or config.env, config.num_envs, config)
-    network = make_network(env, atari_dtype)
+    network = make_network(env, torso_dtype)
     optimizer = make_optimizer(config)
     update_agent = make_update_agent(network, optimizer, config)
     # Under `vmap` over agents, each agent's network is initialised on its own, one after another,
@@ -1815,7 +1815,7 @@ def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
 
 
 def atari_dtype(precision: str) -> Any:
-    """What the Nature CNN's convolutions compute in, for `--precision` on the device JAX now uses.
+    """What the Nature CNN's torso computes its products in, for `--precision` on the device JAX now uses.
 
     `auto` takes bfloat16 where it shortens training: on a CPU that multiplies in it natively (see
     Hardware choices), as `ppo_atari.py`'s `auto` does. On a GPU, and on a CPU without it, `auto`

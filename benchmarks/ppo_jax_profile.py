@@ -96,7 +96,7 @@ def profile_update(precision: str = "auto") -> tuple[dict, dict, float, float, i
     work and of each library's products, the update's seconds, the overlap, and its minibatches."""
     ppo_jax.choose_device("cpu")
     config = ppo_jax.RunConfig(env=ppo_jax.resolve_env("Breakout")[0], **ppo_jax.PRESETS["Atari"])
-    training = ppo_jax.make_train(config, atari_dtype=ppo_jax.atari_dtype(precision))
+    training = ppo_jax.make_train(config, torso_dtype=ppo_jax.atari_dtype(precision))
     runner = jax.jit(training.init)(jax.random.key(1))
     rollout = jax.jit(training.collect)(runner)[1]
     update = jax.jit(ppo_jax.make_update_agent(training.network, ppo_jax.make_optimizer(config), config))

@@ -96,7 +96,7 @@ def measure_atari(script: str, iterations: int, warmup: int) -> dict:
         config = ppo_jax.RunConfig(env=ppo_jax.resolve_env("Breakout")[0], precision=precision or "auto",
                                    **ppo_jax.PRESETS["Atari"])
         dtype = ppo_jax.atari_dtype(config.precision)
-        training = ppo_jax.make_train(config, atari_dtype=dtype)
+        training = ppo_jax.make_train(config, torso_dtype=dtype)
         runner = jax.jit(training.init)(jax.random.key(1))
         programs = {"iteration": jax.jit(training.update), "rollout": jax.jit(training.collect)}
         update_agent = jax.jit(ppo_jax.make_update_agent(training.network, ppo_jax.make_optimizer(config), config))

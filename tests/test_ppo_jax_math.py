@@ -246,7 +246,7 @@ def test_steps_that_are_no_transition_weigh_nothing():
         float(ppo_jax.explained_variance(arrays[1][valid], arrays[2][valid])), rel=1e-5)
 
 
-@pytest.mark.parametrize("kernel, stride, size", [(3, 1, 10), (8, 4, 84), (4, 2, 20), (3, 1, 9)])
+@pytest.mark.parametrize("kernel, stride, size", [(3, 1, 10), (8, 4, 84), (4, 2, 20), (3, 1, 9), (7, 1, 7)])
 def test_convolution_as_patches_is_a_convolution(kernel, stride, size):
     rng = np.random.default_rng(kernel)
     x = jnp.asarray(rng.normal(size=(2, size, size, 5)), jnp.float32)
