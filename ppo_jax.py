@@ -76,11 +76,11 @@ channels first scored 13.3, 17.5, 21.0 and 27.8 at 250k, 500k, 750k and 1M steps
 CPU, seed 1 scored 11.3, 15.1, 19.4 and 23.2 at the same steps (Hardware choices, Part 3).
 
 Atari Breakout, its games stepped inside the compiled program (Part 2), measured one after the
-other on 2 cores of an AMD EPYC with AVX-512 BF16: 539 steps a second with the torso in bfloat16,
-the default on that CPU as it is `ppo_atari.py`'s, against 667 for `ppo_atari.py`; in float32,
-446 against 453. The games alone step faster here than through `ppo_atari.py`'s worker processes
-(4,426 steps a second against 3,898); the update is what limits a CPU: an iteration of 8 games x
-128 steps is updated in 1.35 s in XLA against 0.87 s in PyTorch, both in bfloat16 (where XLA's
+other on 2 cores of an AMD EPYC with AVX-512 BF16: 606 steps a second with the torso in bfloat16,
+the default on that CPU as it is `ppo_atari.py`'s, against 648 for `ppo_atari.py`; in float32,
+448 against 439. The games alone step faster here than through `ppo_atari.py`'s worker processes
+(4,100 steps a second against 3,780); the update is what limits a CPU: an iteration of 8 games x
+128 steps is updated in 1.27 s in XLA against 0.87 s in PyTorch, both in bfloat16 (where XLA's
 time goes, and what took it down from 2.92 s: Hardware choices, Part 3).
 
 Papers and projects: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
@@ -380,8 +380,8 @@ def dense(features: int, gain: float = math.sqrt(2), name: str | None = None,
     Orthogonal matrices keep the norm of what passes through, so activations neither explode nor
     vanish with depth; $\sqrt 2$ makes up for the half of a ReLU's input cut to 0. The policy head
     starts at gain 0.01, so the first policy is almost uniform; the value head at gain 1. `layer`
-    is `nn.Dense` or a kind of it (Part 3's `WindowsDense`, for the convolutions), and `fields` are
-    its own.
+    is `nn.Dense` or a kind of it (Part 3's `WindowsDense` for the convolutions and `RowsDense`),
+    and `fields` are its own.
     """
     return layer(features, kernel_init=nn.initializers.orthogonal(gain), bias_init=nn.initializers.zeros, name=name,
                  **fields)
@@ -1221,8 +1221,8 @@ class NatureActorCritic(nn.Module):
     Frames arrive as `uint8` stacks, channels first as the vector env writes them, and are scaled to
     [0, 1]: the first layer takes their integers, exact in float32 and bfloat16 alike, and scales
     its products by 1/255, which is the same function. The convolutions take the channels first,
-    ahead of the batch. The 512-unit layer reads the last map as one window as large as the map,
-    its values ordered as a channels-last map is flattened, as `nn.Dense` would read it (both
+    ahead of the batch. The 512-unit layer reads the last map flattened with its channels last, as
+    `nn.Dense` reads a channels-last map, and computes its products in `rows_product` (both
     choices: Hardware choices, Part 3).
     """
 
@@ -1236,9 +1236,8 @@ class NatureActorCritic(nn.Module):
         x = nn.relu(Convolution(32, 8, stride=4, dtype=self.dtype, scale=1 / 255)(x))   # -> 32 x 20 x 20
         x = nn.relu(Convolution(64, 4, stride=2, dtype=self.dtype)(x))                  # -> 64 x 9 x 9
         x = nn.relu(Convolution(64, 3, dtype=self.dtype)(x))                            # -> 64 x 7 x 7
-        # The dense layer on the 7 x 7 x 64 map: a window as large as the map, one output pixel.
-        hidden = dense(512, name="Dense_0", layer=WindowsDense, window=7, dtype=self.dtype)(x)  # -> 512 x 1 x 1
-        hidden = nn.relu(jnp.moveaxis(hidden[..., 0, 0], 0, -1))
+        x = jnp.moveaxis(x, 0, -1).reshape(*x.shape[1:-2], -1)                          # -> batch x 3136
+        hidden = nn.relu(dense(512, name="Dense_0", layer=RowsDense, dtype=self.dtype)(x))
         return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
 
 
@@ -1575,8 +1574,9 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   of the input (`patches`) it takes 0.13 s inside a scan and 0.17 s outside (`python
 #   benchmarks/ppo_jax_profile.py --convolutions`). The networks' convolutions are therefore
 #   `Convolution`, below: the same function as flax's `nn.Conv`, computed another way. The Nature
-#   CNN's 512-unit layer, which reads the last 7 x 7 x 64 map, is the same kind of product with one
-#   window as large as the map, so that its gradients take the forms of the next item too. Another
+#   CNN's 512-unit layer, which reads the last 7 x 7 x 64 map flattened, is `nn.Dense`'s product
+#   with its gradients written out (`rows_product`), so that they take the forms of the next item
+#   too. Another
 #   way of computing the first layer was slower, measured with the former layout (next item): one
 #   product over the unshifted input whose outputs are shifted and summed (the first layer's
 #   gradient alone twice as slow: 0.28 s for 256 frames against 0.14 s).
@@ -1594,17 +1594,18 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   an update of 8 games x 128 steps 2.09 s against 2.92 s with the channels last
 #   (`python benchmarks/ppo_jax_speed.py --part atari`, the two versions one after the other). The
 #   networks compute the same function from the same parameters, initialised alike: `Convolution`
-#   keeps `dense`'s parameter names and shapes, the Nature CNN's 512-unit layer orders a window's
-#   values as a channels-last map is flattened, the MinAtar CNN lays its convolution's output
+#   keeps `dense`'s parameter names and shapes, the Nature CNN's 512-unit layer reads its map
+#   flattened as a channels-last map is, the MinAtar CNN lays its convolution's output
 #   channels last again before flattening it, and a test checks both CNNs against their
 #   channels-last definitions written with flax's `nn.Conv`. Atari's frames arrive channels first in
 #   any case. A profile of that update (`python benchmarks/ppo_jax_profile.py`, 16 minibatches of
 #   256 frames in 2.1 s) put 58% of it in the products, 30% in the copies that build the windows
 #   (23% for the first layer's alone) and 12% in the rest. With the next two items, the float32
-#   update takes 1.74 s under the profiler: 71 ms a minibatch in the products, all of them in
-#   YNNPACK, 17 ms in the windows' copies and 21 ms in the rest; in bfloat16 (the last item) 1.27 s,
-#   40 ms a minibatch of it in the products. PyTorch's update is still shorter: 0.87 s in bfloat16
-#   (the figures at the top of the page).
+#   update took 1.74 s under the profiler: 71 ms a minibatch in the products, all of them in
+#   YNNPACK, 17 ms in the windows' copies and 21 ms in the rest. In bfloat16 (the last item) it
+#   takes 1.21 s: 40 ms a minibatch in the products, 22 ms in the windows' copies (12 of them the
+#   first layer's), 4 ms folding gradients back and 9 ms in the rest. PyTorch's update is still
+#   shorter: 0.87 s in bfloat16 (the figures at the top of the page).
 # * **Minibatches cut from one shuffled copy of the batch.** Each epoch shuffles the batch once and
 #   cuts it into minibatches, as PureJaxRL does, rather than gathering each minibatch's frames
 #   from the batch as it is used. XLA fused such a gather into the copies that build the first
@@ -1620,19 +1621,25 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   converts the operands back to float32 first, so that bfloat16 only adds copies (a torso written
 #   like the float32 one made the update 3.7 s against 1.9 s), and one form tried for the dense
 #   layer failed when run ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32").
-#   `bfloat16_windows_product` writes its three products in the forms that stay in bfloat16. Two
-#   more things were needed. XLA's loops that copy bfloat16 values into windows were slower than its
-#   float32 ones (72 ms a minibatch for the first layer's, against 30), so the windows are copied
-#   as their 16-bit patterns, integers to XLA; and the frames enter the first layer as their
-#   integers, which bfloat16 holds exactly, its output scaled by 1/255 afterwards (the same
-#   function; float32 does it too). Measured here (an AMD EPYC with AVX-512 BF16; `python
-#   benchmarks/ppo_jax_speed.py --part atari`), the update of 8 games x 128 steps took 1.35 s in
-#   bfloat16 against 1.75 s in float32, and a whole iteration ran at 539 steps a second against
-#   446. It learns as float32 does, as far as one seed shows: seed 1 of Breakout in bfloat16 scored
-#   11.3, 15.1, 19.4 and 23.2 (the real score of the last 100 games at 250k, 500k, 750k and 1M
-#   steps, the 10M schedule), between the two float32 seeds of Part 1's curve (seed 1: 11.5, 15.0,
-#   19.0 and 27.4; seed 2: 11.2, 14.6, 18.6 and 19.0), whose mean at 1M is also 23.2. On a GPU, and
-#   on a CPU without bfloat16 in hardware, `auto` keeps float32.
+#   `bfloat16_windows_product` and `rows_product` write their three products in the forms that
+#   stay in bfloat16. Three more things were needed. XLA's loops that copy bfloat16 values into
+#   windows were slower than its float32 ones (72 ms a minibatch for the first layer's, against
+#   30), so the windows are copied as their 16-bit patterns, integers to XLA. The frames enter the
+#   first layer as their integers, which bfloat16 holds exactly, its output scaled by 1/255
+#   afterwards (the same function; float32 does it too). And no bfloat16 product takes the
+#   512-unit layer's kernel transposed: XLA's transposition of its 1.6 million weights into
+#   bfloat16 took about 3 ms a minibatch, more than the layer's forward product (2.0 ms), where the same
+#   transposition in float32 took 0.5 ms. `rows_product` multiplies the rows of the flattened map by
+#   the kernel as it is stored, and copies the map a second time, as columns, for the kernel's
+#   gradient. Measured here (an AMD EPYC with AVX-512 BF16; `python
+#   benchmarks/ppo_jax_speed.py --part atari`, medians of 3), the update of 8 games x 128 steps took
+#   1.27 s in bfloat16 against 1.84 s in float32, and a whole iteration ran at 606 steps a second
+#   against 448. It learns as float32 does, as far as one seed shows (trained before the 512-unit
+#   layer took its kernel as stored, which computes the same products): seed 1 of Breakout in
+#   bfloat16 scored 11.3, 15.1, 19.4 and 23.2 (the real score of the last 100 games at 250k, 500k,
+#   750k and 1M steps, the 10M schedule), between the two float32 seeds of Part 1's curve (seed 1:
+#   11.5, 15.0, 19.0 and 27.4; seed 2: 11.2, 14.6, 18.6 and 19.0), whose mean at 1M is also 23.2.
+#   On a GPU, and on a CPU without bfloat16 in hardware, `auto` keeps float32.
 # * **Agents initialised one at a time.** Under `vmap` over seeds, `network.init` would factorise a
 #   batch of matrices at once for the orthogonal initialisation, and jaxlib 0.10.2's batched QR on
 #   the CPU can deadlock: its LAPACK kernel waits for sub-tasks on the thread pool that its own
@@ -1661,8 +1668,6 @@ def patches(x: jax.Array, kernel: int, stride: int) -> jax.Array:
         x = x.transpose(3, 5, 0, 1, 2, 4).reshape(stride * stride * channels, *batch, height, width)
         kernel //= stride
     height, width = x.shape[-2] - kernel + 1, x.shape[-1] - kernel + 1
-    if height == width == 1:  # one window, the whole image: its values in that order, a transposition
-        return jnp.moveaxis(x, (-2, -1), (0, 1)).reshape(-1, *x.shape[1:-2], 1, 1)
     return jnp.concatenate([x[..., i:i + height, j:j + width] for i in range(kernel) for j in range(kernel)],
                            axis=0)
 
@@ -1704,17 +1709,17 @@ def windows_product(kernel: jax.Array, x: jax.Array, size: int, stride: int) -> 
     return columns_product(kernel, columns).reshape(kernel.shape[1], *windows.shape[1:])
 
 
-def bfloat16_matrix(matrix: jax.Array) -> jax.Array:
-    """`matrix` in bfloat16, copied into a matrix of its own laid out row by row (why: see Hardware choices).
+def row_major(matrix: jax.Array, dtype: Any = jnp.bfloat16) -> jax.Array:
+    """`matrix` in `dtype`, copied into a matrix of its own laid out row by row (why: see Hardware choices).
 
     Going through one axis fixes the layout, rows one after the other, and the barrier keeps XLA
     from folding a transposition into the product that uses the matrix.
     """
-    return jax.lax.optimization_barrier(matrix.astype(jnp.bfloat16).reshape(-1)).reshape(matrix.shape)
+    return jax.lax.optimization_barrier(matrix.astype(dtype).reshape(-1)).reshape(matrix.shape)
 
 
-def bfloat16_product(a: jax.Array, b: jax.Array, contract: int) -> jax.Array:
-    """`a`'s last axis contracted with `b`'s axis `contract`, both in bfloat16, the sums and the result in float32."""
+def matrix_product(a: jax.Array, b: jax.Array, contract: int) -> jax.Array:
+    """`a`'s last axis contracted with `b`'s axis `contract`, in the operands' precision, the sums and the result in float32."""
     return jax.lax.dot_general(a, b, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32)
 
 
@@ -1738,23 +1743,64 @@ def bfloat16_windows_product_forward(kernel: jax.Array, x: jax.Array, size: int,
         bits = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
         windows = jax.lax.bitcast_convert_type(patches(bits, size, stride), jnp.bfloat16)
     columns = windows.reshape(windows.shape[0], -1)
-    outputs = bfloat16_product(bfloat16_matrix(kernel.T), columns, 0)  # [F, K] with [K, N] -> [F, N]
-    return outputs.reshape(kernel.shape[1], *windows.shape[1:]), (bfloat16_matrix(kernel), columns, x)
+    outputs = matrix_product(row_major(kernel.T), columns, 0)  # [F, K] with [K, N] -> [F, N]
+    return outputs.reshape(kernel.shape[1], *windows.shape[1:]), (row_major(kernel), columns, x)
 
 
 def bfloat16_windows_product_backward(size: int, stride: int, saved: tuple, grad: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Given the output's gradient `grad`, the kernel's (`columns @ grad.T`) and `x`'s (`kernel @ grad`, folded back)."""
     kernel, columns, x = saved
     grad = grad.reshape(grad.shape[0], -1).astype(jnp.bfloat16)
-    kernel_grad = bfloat16_product(columns, grad, 1)  # [K, N] with [F, N] -> [K, F]
+    kernel_grad = matrix_product(columns, grad, 1)  # [K, N] with [F, N] -> [K, F]
     if jnp.issubdtype(x.dtype, jnp.integer):  # frames: no gradient
         return kernel_grad, np.zeros(x.shape, jax.dtypes.float0)
-    windows_grad = bfloat16_product(kernel, grad, 0)  # [K, F] with [F, N] -> [K, N]
+    windows_grad = matrix_product(kernel, grad, 0)  # [K, F] with [F, N] -> [K, N]
     windows, fold_back = jax.vjp(lambda x: patches(x, size, stride), x)
     return kernel_grad, fold_back(windows_grad.reshape(windows.shape))[0]
 
 
 bfloat16_windows_product.defvjp(bfloat16_windows_product_forward, bfloat16_windows_product_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rows_product(x: jax.Array, kernel: jax.Array, dtype: Any) -> jax.Array:
+    """`x @ kernel`, `[N, K]` and `[K, F]` to `[N, F]`: a dense layer applied to each row, its three
+    products in `dtype` (float32 or bfloat16), summed in float32; `x` and the output float32.
+
+    The 512-unit layer's. Its gradients are written out in the forms XLA gives to YNNPACK and
+    keeps in bfloat16 (see Hardware choices): every product takes the kernel as it is stored, and
+    `x` is copied once more, as columns, for the kernel's gradient. A transposed kernel would be a
+    bfloat16 copy of 1.6 million weights at every minibatch, which took longer than the forward
+    product itself.
+    """
+    return matrix_product(row_major(x, dtype), kernel.astype(dtype), 0)
+
+
+def rows_product_forward(x: jax.Array, kernel: jax.Array, dtype: Any) -> tuple[jax.Array, tuple]:
+    """The product, and what its gradients need: the kernel and `x`'s columns (`x.T`), in `dtype`."""
+    return rows_product(x, kernel, dtype), (kernel.astype(dtype), row_major(x.T, dtype))
+
+
+def rows_product_backward(dtype: Any, saved: tuple, grad: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Given the output's gradient `grad` (`[N, F]`): `x`'s, `grad @ kernel.T`, and the kernel's, `x.T @ grad`."""
+    kernel, columns = saved
+    grad = grad.astype(dtype)
+    return matrix_product(grad, kernel, 1), matrix_product(columns, grad, 0)  # [N, F] with [K, F]; [K, N] with [N, F]
+
+
+rows_product.defvjp(rows_product_forward, rows_product_backward)
+
+
+class RowsDense(nn.Dense):
+    """`nn.Dense`, with the same parameters and function, its products in `dtype` (float32 or
+    bfloat16) through `rows_product`; the output float32."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+        rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+        return rows_product(rows, kernel, self.dtype or jnp.float32).reshape(*x.shape[:-1], self.features) + bias
 
 
 class WindowsDense(nn.Dense):

@@ -82,7 +82,7 @@ def kind_of(name: str, text: str, weight_shapes: set[str]) -> str:
             return FORWARD
         return WEIGHT_GRADIENTS if text.split(" = ")[1].split("{")[0] in weight_shapes else INPUT_GRADIENTS
     # A layer's windows: slices put together, converted to the products' precision on the way (the
-    # 512-unit layer's single window is a transposition).
+    # 512-unit layer's input is copied whole, as rows and as columns, and its kernel converted).
     if not backward and re.search(r"ActorCritic\)/(Convolution_\d+/)?Dense_0/"
                                   r"(concatenate|slice|transpose|convert_element_type|bitcast_convert_type)$", op_name):
         return FIRST_WINDOWS if "Convolution_0/" in op_name else OTHER_WINDOWS

@@ -323,6 +323,34 @@ def test_bfloat16_windows_product_is_the_float32_one_on_rounded_operands(kernel,
     np.testing.assert_allclose(batched[0], ours[1][0], rtol=1e-5, atol=1e-5 * float(jnp.abs(ours[1][0]).max()))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rows_product_has_the_gradients_of_a_product(dtype):
+    # `rows_product` writes its own gradients (for speed). On operands that bfloat16 holds exactly,
+    # with an output gradient that it holds too, both precisions must give float32's `x @ kernel`
+    # and autodiff's gradients of it, alone and under vmap.
+    rng = np.random.default_rng(3)
+    x, kernel, out_grad = (bfloat16_rounded(rng.normal(size=shape)) for shape in [(5, 6), (6, 3), (5, 3)])
+
+    def loss(product, x, kernel):
+        return jnp.sum(out_grad * product(x, kernel))
+
+    def ours(x, kernel):
+        return ppo_jax.rows_product(x, kernel, dtype)
+
+    mine = jax.value_and_grad(functools.partial(loss, ours), (0, 1))(x, kernel)
+    reference = jax.value_and_grad(functools.partial(loss, jnp.matmul), (0, 1))(x, kernel)
+    np.testing.assert_allclose(mine[0], reference[0], rtol=1e-5)
+    for computed, expected in zip(mine[1], reference[1]):
+        np.testing.assert_allclose(computed, expected, rtol=1e-5, atol=1e-6)
+    batched = jax.vmap(jax.grad(functools.partial(loss, ours), (0, 1)))(jnp.stack([x, 2 * x]), jnp.stack([kernel, kernel]))
+    for computed, expected in zip(batched, mine[1]):
+        np.testing.assert_allclose(computed[0], expected, rtol=1e-5, atol=1e-6)
+    # Unrounded operands: float32 exactly as `x @ kernel`, bfloat16 within its rounding.
+    x, kernel = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in [(5, 6), (6, 3)])
+    tolerance = 1e-5 if dtype == jnp.float32 else 0.02
+    np.testing.assert_allclose(ours(x, kernel), x @ kernel, atol=tolerance * float(jnp.abs(x @ kernel).max()))
+
+
 def test_nature_cnn_in_bfloat16_is_the_float32_one_within_rounding():
     # Same parameters, same names: a checkpoint trained in one precision loads in the other, and
     # the two networks compute the same function up to bfloat16's rounding.
