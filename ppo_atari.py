@@ -1711,11 +1711,26 @@ def aborted(why: str, checkpoint: Path | None) -> str:
     return f"{why}: no checkpoint written now; " + (f"the last one is {checkpoint}" if checkpoint else "none was written")
 
 
-def ignore_interrupts() -> None:
+def ignore_interrupts(for_good: bool = False) -> None:
     """Closing what is open (the log writer, the workers) takes a second or two once the last
-    checkpoint is written, or the run aborted: a Ctrl-C then is ignored rather than cutting it short."""
+    checkpoint is written, or the run aborted: a Ctrl-C then is ignored rather than cutting it short.
+
+    The handler that ignores it is a Python function, not `SIG_IGN`. A signal that arrives while
+    the handler is being changed reaches Python after the change, and under `SIG_IGN` Python prints
+    a traceback for it ("Signal 2 ignored due to race condition"); a function just drops it.
+    `for_good`, once the run has returned, then sets `SIG_IGN` too: the interpreter's shutdown gives
+    a Python handler back to the default, and a late Ctrl-C would kill the process, but it keeps
+    `SIG_IGN`. A signal already on its way by then meets the function.
+    """
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, ignore_signal)
+    if for_good:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def ignore_signal(signum: int, frame: object) -> None:
+    """A signal handler that does nothing."""
 
 
 # ### The run
@@ -2276,5 +2291,5 @@ class TunedDataParallelTrainer(DataParallelTrainer, TunedTrainer):
 
 if __name__ == "__main__":
     status = main()
-    ignore_interrupts()  # the run has ended: a Ctrl-C now could only turn it into a traceback at exit
+    ignore_interrupts(for_good=True)  # the run has ended: a Ctrl-C now could only turn it into a traceback at exit
     exit_process(status, ranks=int(os.environ.get("WORLD_SIZE", "1")))

@@ -2896,5 +2896,9 @@ def describe_devices(mesh: Mesh, num_seeds: int) -> str:
 
 if __name__ == "__main__":
     status = main()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # nothing is left to stop while Python and JAX shut down
+    # Nothing is left to stop while Python and JAX shut down. A handler that does nothing first, so
+    # that a Ctrl-C on its way is dropped (under `SIG_IGN` alone, one arriving as it is set would
+    # print "ignored due to race condition"); then `SIG_IGN`, which the shutdown keeps.
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(status)
