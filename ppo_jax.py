@@ -76,12 +76,13 @@ channels first scored 13.3, 17.5, 21.0 and 27.8 at 250k, 500k, 750k and 1M steps
 CPU, seed 1 scored 11.3, 15.1, 19.4 and 23.2 at the same steps (Hardware choices, Part 3).
 
 Atari Breakout, its games stepped inside the compiled program (Part 2), measured one after the
-other on 2 cores of an AMD EPYC with AVX-512 BF16: 606 steps a second with the torso in bfloat16,
-the default on that CPU as it is `ppo_atari.py`'s, against 648 for `ppo_atari.py`; in float32,
-448 against 439. The games alone step faster here than through `ppo_atari.py`'s worker processes
-(4,100 steps a second against 3,780); the update is what limits a CPU: an iteration of 8 games x
-128 steps is updated in 1.27 s in XLA against 0.87 s in PyTorch, both in bfloat16 (where XLA's
-time goes, and what took it down from 2.92 s: Hardware choices, Part 3).
+other on 2 cores of an AMD EPYC with AVX-512 BF16: 575 steps a second with the torso in bfloat16,
+the default on that CPU as it is `ppo_atari.py`'s, against 599 for `ppo_atari.py` (0.96); in
+float32, 417 against 395. A second run the same hour, the machine busier, measured 492 against 553
+(0.89). The games alone step faster here than through `ppo_atari.py`'s worker processes (3,153
+steps a second against 2,728); the update is what limits a CPU: an iteration of 8 games x 128
+steps is updated in 1.30 s in XLA against 0.93 s in PyTorch, both in bfloat16 (where XLA's time
+goes, and what took it down from 2.92 s: Hardware choices, Part 3).
 
 Papers and projects: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); PureJaxRL, the whole run as one JAX program (Lu et al., 2022, "Discovered Policy
@@ -418,17 +419,18 @@ class MinAtarActorCritic(nn.Module):
     """For MinAtar's 10 x 10 grids of 0/1 channels: the network of the MinAtar paper, shared by two heads.
 
     One 3 x 3 convolution of 16 filters and a 128-unit layer (Young and Tian, 2019). `Convolution`
-    is flax's `nn.Conv` without padding, computed as a matrix product with the channels first (see
-    Hardware choices, Part 3); its output is laid out channels last again, as `nn.Conv`'s, before
-    it is flattened.
+    is flax's `nn.Conv` without padding, computed as a matrix product with the channels first and
+    the batch last (see Hardware choices, Part 3); its output is laid out channels last again, as
+    `nn.Conv`'s, before it is flattened.
     """
 
     n_actions: int
 
     @nn.compact
     def __call__(self, obs: jax.Array) -> tuple[Categorical, jax.Array]:
-        hidden = nn.relu(Convolution(16, kernel=3)(jnp.moveaxis(obs, -1, 0)))  # C x 10 x 10 -> 16 x 8 x 8
-        hidden = jnp.moveaxis(hidden, 0, -1)                                    # -> 8 x 8 x 16
+        x = jnp.moveaxis(obs, (-1, -3, -2), (0, 1, 2))                          # C x 10 x 10 x batch
+        hidden = nn.relu(Convolution(16, kernel=3)(x))                          # -> 16 x 8 x 8
+        hidden = jnp.moveaxis(hidden, (0, 1, 2), (-1, -3, -2))                  # -> batch x 8 x 8 x 16
         hidden = nn.relu(dense(128)(hidden.reshape(*hidden.shape[:-3], -1)))
         return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
 
@@ -1220,8 +1222,8 @@ class NatureActorCritic(nn.Module):
 
     Frames arrive as `uint8` stacks, channels first as the vector env writes them, and are scaled to
     [0, 1]: the first layer takes their integers, exact in float32 and bfloat16 alike, and scales
-    its products by 1/255, which is the same function. The convolutions take the channels first,
-    ahead of the batch. The 512-unit layer reads the last map flattened with its channels last, as
+    its products by 1/255, which is the same function. The convolutions take the channels first and
+    the batch last. The 512-unit layer reads the last map flattened with its channels last, as
     `nn.Dense` reads a channels-last map, and computes its products in `rows_product` (both
     choices: Hardware choices, Part 3).
     """
@@ -1232,11 +1234,12 @@ class NatureActorCritic(nn.Module):
 
     @nn.compact
     def __call__(self, obs: jax.Array) -> tuple[Categorical, jax.Array]:
-        x = jnp.moveaxis(obs, -3, 0)                                                    # 4 x batch x 84 x 84
+        x = jnp.moveaxis(obs, (-3, -2, -1), (0, 1, 2))                                  # 4 x 84 x 84 x batch
         x = nn.relu(Convolution(32, 8, stride=4, dtype=self.dtype, scale=1 / 255)(x))   # -> 32 x 20 x 20
         x = nn.relu(Convolution(64, 4, stride=2, dtype=self.dtype)(x))                  # -> 64 x 9 x 9
         x = nn.relu(Convolution(64, 3, dtype=self.dtype)(x))                            # -> 64 x 7 x 7
-        x = jnp.moveaxis(x, 0, -1).reshape(*x.shape[1:-2], -1)                          # -> batch x 3136
+        x = jnp.moveaxis(x, (0, 1, 2), (-1, -3, -2))                                    # -> batch x 7 x 7 x 64
+        x = x.reshape(*x.shape[:-3], -1)                                                # -> batch x 3136
         hidden = nn.relu(dense(512, name="Dense_0", layer=RowsDense, dtype=self.dtype)(x))
         return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
 
@@ -1600,12 +1603,34 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   channels-last definitions written with flax's `nn.Conv`. Atari's frames arrive channels first in
 #   any case. A profile of that update (`python benchmarks/ppo_jax_profile.py`, 16 minibatches of
 #   256 frames in 2.1 s) put 58% of it in the products, 30% in the copies that build the windows
-#   (23% for the first layer's alone) and 12% in the rest. With the next two items, the float32
-#   update took 1.74 s under the profiler: 71 ms a minibatch in the products, all of them in
-#   YNNPACK, 17 ms in the windows' copies and 21 ms in the rest. In bfloat16 (the last item) it
-#   takes 1.21 s: 40 ms a minibatch in the products, 22 ms in the windows' copies (12 of them the
-#   first layer's), 4 ms folding gradients back and 9 ms in the rest. PyTorch's update is still
-#   shorter: 0.87 s in bfloat16 (the figures at the top of the page).
+#   (23% for the first layer's alone) and 12% in the rest. With the minibatches cut from one
+#   shuffled copy (two items down), and still with the batch first (next item), the float32 update
+#   took 1.74 s under the profiler: 71 ms a minibatch in the products, all of them in YNNPACK, 17 ms
+#   in the windows' copies and 21 ms in the rest.
+# * **The batch last.** The maps between the layers are laid out `[C, H, W, N]`: channels, rows,
+#   columns, then the batch, where flax (and PyTorch) put the batch first. The windows are the same
+#   columns in another order, but the copies that build them are not the same work. A shifted
+#   slice of a `[C, N, H, W]` map is a run of a few pixels (7 to 20) per row of each frame, and
+#   XLA's loop that gathers those runs, strided as well for the layers with a stride, ran well
+#   below the speed of a plain copy; a shifted slice of a `[C, H, W, N]` map is a run of whole
+#   rows of pixels times the batch (thousands of values), which it copies at close to memory
+#   speed. Folding a gradient back into a map is the same work in reverse. Measured on the update
+#   of 8 games x 128 steps in bfloat16, the two layouts alternated in one process (a scratch script
+#   outside git, medians of 8): 1.37, 1.42 and 1.41 s with the batch first against 1.24, 1.23 and
+#   1.22 s with it last, over three runs. Under the profiler, the second layer's windows took 2.0 ms
+#   a minibatch against 5.0, the third's 2.2 against 5.4, and folding the second layer's gradient
+#   back 1.8 against 3.1. The first layer's windows did not get cheaper (14 ms against 12): the
+#   frames arrive batch first, and the loop that builds their windows also moves the batch to the
+#   end. From frames already laid out batch last, the same windows took 2 ms in a program of their
+#   own, but inside the update's loop over minibatches XLA fuses that move back into the loop that
+#   builds them, even when the frames were shuffled into that layout beforehand, and they took 15
+#   ms there. `python benchmarks/ppo_jax_profile.py`, later and on a busier machine, split the
+#   bfloat16 update (1.34 s under the profiler) into 46 ms a minibatch of products, 18 ms building the first layer's windows, 7 ms
+#   the other layers', 4 ms folding gradients back and 8 ms for the rest. In float32
+#   the two layouts were within the noise of each other (1.83 s against 1.94 s in one alternated
+#   run, 2.00 s against 1.94 s under the profiler). The frames enter the torso batch first, as the
+#   vector env writes them and every other network here takes its input, and the map leaves it batch
+#   first, flattened channels last (`NatureActorCritic`); the parameters are unchanged.
 # * **Minibatches cut from one shuffled copy of the batch.** Each epoch shuffles the batch once and
 #   cuts it into minibatches, as PureJaxRL does, rather than gathering each minibatch's frames
 #   from the batch as it is used. XLA fused such a gather into the copies that build the first
@@ -1632,9 +1657,9 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   transposition in float32 took 0.5 ms. `rows_product` multiplies the rows of the flattened map by
 #   the kernel as it is stored, and copies the map a second time, as columns, for the kernel's
 #   gradient. Measured here (an AMD EPYC with AVX-512 BF16; `python
-#   benchmarks/ppo_jax_speed.py --part atari`, medians of 3), the update of 8 games x 128 steps took
-#   1.27 s in bfloat16 against 1.84 s in float32, and a whole iteration ran at 606 steps a second
-#   against 448. It learns as float32 does, as far as one seed shows (trained before the 512-unit
+#   benchmarks/ppo_jax_speed.py --part atari`, medians of 2), the update of 8 games x 128 steps took
+#   1.30 s in bfloat16 against 1.89 s in float32, and a whole iteration ran at 575 steps a second
+#   against 417. It learns as float32 does, as far as one seed shows (trained before the 512-unit
 #   layer took its kernel as stored, which computes the same products): seed 1 of Breakout in
 #   bfloat16 scored 11.3, 15.1, 19.4 and 23.2 (the real score of the last 100 games at 250k, 500k,
 #   750k and 1M steps, the 10M schedule), between the two float32 seeds of Part 1's curve (seed 1:
@@ -1653,23 +1678,22 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 
 
 def patches(x: jax.Array, kernel: int, stride: int) -> jax.Array:
-    """`[C, ..., H, W] -> [kernel * kernel * C, ..., H', W']`: the `kernel x kernel` window under each output pixel.
+    """`[C, H, W, ...] -> [kernel * kernel * C, H', W', ...]`: the `kernel x kernel` window under each output pixel.
 
-    Channels come first, and each window is a column. With a stride, each `stride x stride` block of
-    pixels is first folded into the channels ("space to depth"), which turns the strided window into
-    a `kernel / stride` window at stride 1; the windows are then `(kernel / stride)^2` shifted
-    slices, one above the other. A window's values are ordered by the block's row and column, then
-    the pixel's row and column within the block, then the channel.
+    Channels come first, the batch last, and each window is a column. With a stride, each `stride x
+    stride` block of pixels is first folded into the channels ("space to depth"), which turns the
+    strided window into a `kernel / stride` window at stride 1; the windows are then `(kernel /
+    stride)^2` shifted slices, one above the other. A window's values are ordered by the block's
+    row and column, then the pixel's row and column within the block, then the channel.
     """
     if stride > 1:
-        channels, *batch, height, width = x.shape
+        channels, height, width, *batch = x.shape
         height, width = height // stride, width // stride
-        x = x[..., :height * stride, :width * stride].reshape(channels, -1, height, stride, width, stride)
-        x = x.transpose(3, 5, 0, 1, 2, 4).reshape(stride * stride * channels, *batch, height, width)
+        x = x[:, :height * stride, :width * stride].reshape(channels, height, stride, width, stride, *batch)
+        x = x.transpose(2, 4, 0, 1, 3, *range(5, x.ndim)).reshape(stride * stride * channels, height, width, *batch)
         kernel //= stride
-    height, width = x.shape[-2] - kernel + 1, x.shape[-1] - kernel + 1
-    return jnp.concatenate([x[..., i:i + height, j:j + width] for i in range(kernel) for j in range(kernel)],
-                           axis=0)
+    height, width = x.shape[1] - kernel + 1, x.shape[2] - kernel + 1
+    return jnp.concatenate([x[:, i:i + height, j:j + width] for i in range(kernel) for j in range(kernel)], axis=0)
 
 
 @jax.custom_vjp
@@ -1700,7 +1724,7 @@ columns_product.defvjp(columns_product_forward, columns_product_backward)
 
 
 def windows_product(kernel: jax.Array, x: jax.Array, size: int, stride: int) -> jax.Array:
-    """A dense layer's `kernel` applied to every `size x size` window of `x`: `[C, ..., H, W] -> [F, ..., H', W']`.
+    """A dense layer's `kernel` applied to every `size x size` window of `x`: `[C, H, W, ...] -> [F, H', W', ...]`.
 
     In float32; `x` may be integers (Atari's frames), converted as their windows are built.
     """
@@ -1727,9 +1751,9 @@ def matrix_product(a: jax.Array, b: jax.Array, contract: int) -> jax.Array:
 def bfloat16_windows_product(kernel: jax.Array, x: jax.Array, size: int, stride: int) -> jax.Array:
     """`windows_product` with its three products in bfloat16, their sums in float32; the output float32.
 
-    `x` is float32, or integers that bfloat16 holds exactly (Atari's frames, 0 to 255). A float
-    input is rounded to bfloat16 before its windows are built, which are then copies of 16-bit
-    patterns, as fast in XLA as copies of integers; its gradient is folded back from the windows' in
+    `x` is float32, or integers that bfloat16 holds exactly (Atari's frames, 0 to 255). It is
+    rounded to bfloat16 before its windows are built, which are then copies of 16-bit patterns, as
+    fast in XLA as copies of integers; a float input's gradient is folded back from the windows' in
     float32 (why: see Hardware choices).
     """
     return bfloat16_windows_product_forward(kernel, x, size, stride)[0]
@@ -1737,11 +1761,8 @@ def bfloat16_windows_product(kernel: jax.Array, x: jax.Array, size: int, stride:
 
 def bfloat16_windows_product_forward(kernel: jax.Array, x: jax.Array, size: int, stride: int) -> tuple[jax.Array, tuple]:
     """The product, and what its gradients need: the kernel and the windows in bfloat16, and `x`."""
-    if jnp.issubdtype(x.dtype, jnp.integer):
-        windows = patches(x, size, stride).astype(jnp.bfloat16)
-    else:
-        bits = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-        windows = jax.lax.bitcast_convert_type(patches(bits, size, stride), jnp.bfloat16)
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    windows = jax.lax.bitcast_convert_type(patches(bits, size, stride), jnp.bfloat16)
     columns = windows.reshape(windows.shape[0], -1)
     outputs = matrix_product(row_major(kernel.T), columns, 0)  # [F, K] with [K, N] -> [F, N]
     return outputs.reshape(kernel.shape[1], *windows.shape[1:]), (row_major(kernel), columns, x)
@@ -1804,8 +1825,9 @@ class RowsDense(nn.Dense):
 
 
 class WindowsDense(nn.Dense):
-    """`nn.Dense`, with the same parameters, applied to every `window x window` window of a channels-first
-    image: `[C, ..., H, W] -> [features, ..., H', W']`, its products in `dtype` (float32 or bfloat16).
+    """`nn.Dense`, with the same parameters, applied to every `window x window` window of an image laid
+    out channels first and batch last: `[C, H, W, ...] -> [features, H', W', ...]`, its products in
+    `dtype` (float32 or bfloat16).
 
     `scale` multiplies the products before the bias is added: the input scaled by it, folded into
     the output (the product is linear).
@@ -1827,7 +1849,7 @@ class WindowsDense(nn.Dense):
 
 
 class Convolution(nn.Module):
-    r"""A convolution without padding, channels first: `[C, ..., H, W] -> [features, ..., H', W']`.
+    r"""A convolution without padding, channels first and batch last: `[C, H, W, ...] -> [features, H', W', ...]`.
 
     The same function as `nn.Conv(features, (kernel, kernel), strides=stride, padding="VALID")` on
     channels-last images, computed as a dense layer applied to every window of the input, a matrix

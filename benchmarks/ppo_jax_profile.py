@@ -148,7 +148,8 @@ def profile_update(precision: str = "auto") -> tuple[dict, dict, float, float, i
 class FlaxConvolution(nn.Module):
     """flax's own convolution, in place of ppo_jax.py's `Convolution` (same fields, same function).
 
-    `nn.Conv` takes the channels last, so they are moved there and back: `Convolution` takes them first.
+    `nn.Conv` takes the channels last and the batch first, so they are moved there and back: `Convolution`
+    takes the channels first and the batch last.
     """
 
     features: int
@@ -161,8 +162,8 @@ class FlaxConvolution(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         convolution = nn.Conv(self.features, (self.kernel, self.kernel), strides=self.stride, padding="VALID",
                               dtype=self.dtype)
-        x = jnp.moveaxis(x, 0, -1).astype(jnp.float32) * self.scale  # the product of the input scaled is the product scaled
-        return jnp.moveaxis(convolution(x), -1, 0).astype(jnp.float32)
+        x = jnp.moveaxis(x, (0, 1, 2), (-1, -3, -2)).astype(jnp.float32) * self.scale  # the product scaled, the same
+        return jnp.moveaxis(convolution(x), (-1, -3, -2), (0, 1, 2)).astype(jnp.float32)
 
 
 @contextlib.contextmanager

@@ -257,15 +257,16 @@ def test_convolution_as_patches_is_a_convolution(kernel, stride, size):
     # (row, column), and within a block row, column, channel.
     blocks = kernel // stride
     matrix = weights.reshape(blocks, stride, blocks, stride, 5, 7).transpose(0, 2, 1, 3, 4, 5).reshape(-1, 7)
-    windows = ppo_jax.patches(jnp.moveaxis(x, -1, 0), kernel, stride)  # channels first, each window a column
-    computed = jnp.einsum("k...,kf->...f", windows, matrix)
-    np.testing.assert_allclose(computed, expected, rtol=1e-4, atol=1e-4)
-    # The layer itself, with these weights: the same function, channels first, any batch shape.
+    first_last = x.transpose(3, 1, 2, 0)  # channels first, the batch last
+    windows = ppo_jax.patches(first_last, kernel, stride)  # each window a column
+    computed = jnp.einsum("k...,kf->...f", windows, matrix)  # [H', W', batch, out]
+    np.testing.assert_allclose(jnp.moveaxis(computed, 2, 0), expected, rtol=1e-4, atol=1e-4)
+    # The layer itself, with these weights: the same function, channels first, any batch shape last.
     layer = ppo_jax.Convolution(7, kernel, stride)
     params = {"params": {"Dense_0": {"kernel": matrix, "bias": jnp.arange(7.0)}}}
-    output = layer.apply(params, jnp.moveaxis(x, -1, 0)[:, None])
-    assert output.shape == (7, 1, 2) + expected.shape[1:3]
-    np.testing.assert_allclose(jnp.moveaxis(output[:, 0], 0, -1), expected + jnp.arange(7.0), rtol=1e-4, atol=1e-4)
+    output = layer.apply(params, first_last[..., None, :])
+    assert output.shape == (7,) + expected.shape[1:3] + (1, 2)
+    np.testing.assert_allclose(output[..., 0, :].transpose(3, 1, 2, 0), expected + jnp.arange(7.0), rtol=1e-4, atol=1e-4)
 
 
 def test_columns_product_has_the_gradients_of_a_product():
@@ -299,9 +300,9 @@ def test_bfloat16_windows_product_is_the_float32_one_on_rounded_operands(kernel,
     # they must be float32's, and so must both gradients, alone and under vmap.
     rng = np.random.default_rng(size)
     if integers:  # frames: uint8, no gradient of their own
-        x = jnp.asarray(rng.integers(0, 256, (3, 2, size, size)), jnp.uint8)
+        x = jnp.asarray(rng.integers(0, 256, (3, size, size, 2)), jnp.uint8)
     else:
-        x = bfloat16_rounded(rng.normal(size=(3, 2, size, size)))
+        x = bfloat16_rounded(rng.normal(size=(3, size, size, 2)))
     weights = jnp.asarray(rng.normal(size=(kernel * kernel * 3, 5)), jnp.float32)
     out_grad = bfloat16_rounded(rng.normal(size=ppo_jax.windows_product(weights, x, kernel, stride).shape))
 
