@@ -78,8 +78,8 @@ CPU, seed 1 scored 11.3, 15.1, 19.4 and 23.2 at the same steps (Hardware choices
 Atari Breakout, its games stepped inside the compiled program (Part 2), measured one after the
 other on 2 cores of an AMD EPYC with AVX-512 BF16: 575 steps a second with the torso in bfloat16,
 the default on that CPU as it is `ppo_atari.py`'s, against 599 for `ppo_atari.py` (0.96); in
-float32, 417 against 395. A second run the same hour, the machine busier, measured 492 against 553
-(0.89). The games alone step faster here than through `ppo_atari.py`'s worker processes (3,153
+float32, 417 against 395. Two more runs within the hour measured 492 against 553 (0.89, the
+machine busier) and 593 against 593 (1.00). The games alone step faster here than through `ppo_atari.py`'s worker processes (3,153
 steps a second against 2,728); the update is what limits a CPU: an iteration of 8 games x 128
 steps is updated in 1.30 s in XLA against 0.93 s in PyTorch, both in bfloat16 (where XLA's time
 goes, and what took it down from 2.92 s: Hardware choices, Part 3).
@@ -1609,28 +1609,32 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   in the windows' copies and 21 ms in the rest.
 # * **The batch last.** The maps between the layers are laid out `[C, H, W, N]`: channels, rows,
 #   columns, then the batch, where flax (and PyTorch) put the batch first. The windows are the same
-#   columns in another order, but the copies that build them are not the same work. A shifted
-#   slice of a `[C, N, H, W]` map is a run of a few pixels (7 to 20) per row of each frame, and
-#   XLA's loop that gathers those runs, strided as well for the layers with a stride, ran well
-#   below the speed of a plain copy; a shifted slice of a `[C, H, W, N]` map is a run of whole
-#   rows of pixels times the batch (thousands of values), which it copies at close to memory
-#   speed. Folding a gradient back into a map is the same work in reverse. Measured on the update
-#   of 8 games x 128 steps in bfloat16, the two layouts alternated in one process (a scratch script
-#   outside git, medians of 8): 1.37, 1.42 and 1.41 s with the batch first against 1.24, 1.23 and
-#   1.22 s with it last, over three runs. Under the profiler, the second layer's windows took 2.0 ms
-#   a minibatch against 5.0, the third's 2.2 against 5.4, and folding the second layer's gradient
-#   back 1.8 against 3.1. The first layer's windows did not get cheaper (14 ms against 12): the
-#   frames arrive batch first, and the loop that builds their windows also moves the batch to the
-#   end. From frames already laid out batch last, the same windows took 2 ms in a program of their
-#   own, but inside the update's loop over minibatches XLA fuses that move back into the loop that
-#   builds them, even when the frames were shuffled into that layout beforehand, and they took 15
-#   ms there. `python benchmarks/ppo_jax_profile.py`, later and on a busier machine, split the
-#   bfloat16 update (1.34 s under the profiler) into 46 ms a minibatch of products, 18 ms building the first layer's windows, 7 ms
-#   the other layers', 4 ms folding gradients back and 8 ms for the rest. In float32
-#   the two layouts were within the noise of each other (1.83 s against 1.94 s in one alternated
-#   run, 2.00 s against 1.94 s under the profiler). The frames enter the torso batch first, as the
-#   vector env writes them and every other network here takes its input, and the map leaves it batch
-#   first, flattened channels last (`NatureActorCritic`); the parameters are unchanged.
+#   columns in another order, but the copies that build them are not the same work. A shifted slice
+#   of a `[C, N, H, W]` map is a run of a few pixels (7 to 20) per row of each frame, and XLA's loop
+#   that gathers those runs, strided as well for the layers with a stride, ran well below the speed
+#   of a plain copy; a shifted slice of a `[C, H, W, N]` map is a run of whole rows of pixels times
+#   the batch (thousands of values), which it copies at close to memory speed. Folding a gradient
+#   back into a map is the same work in reverse. Measured on the update of 8 games x 128 steps in
+#   bfloat16, the two layouts alternated in one process (a scratch script outside git, medians of
+#   8): 1.37, 1.42 and 1.41 s with the batch first against 1.24, 1.23 and 1.22 s with it last, over
+#   three runs, and 1.52 against 1.45 s later, the machine busier (the commits before and after,
+#   medians of 6). Under the profiler, the second layer's windows took 2.0 ms a minibatch against
+#   5.0, the third's 2.2 against 5.4, and folding the second layer's gradient back 1.8 against 3.1.
+#   The first layer's windows did not get cheaper (14 ms against 12): the frames arrive batch first,
+#   and the loop that builds their windows also moves the batch to the end. From frames already laid
+#   out batch last, the same windows took 2 ms in a program of their own, but not inside the update.
+#   Shuffled into that layout at each epoch, the frames were read by that loop at the minibatch's
+#   index, a slice that XLA fuses into the loop, and it took 15 ms a minibatch (in a small program,
+#   the loop took 15 to 24 ms reading a slice at a traced index against 2.3 ms at a fixed one); with
+#   each minibatch's frames first copied out through a `lax.switch`, it took 11 ms. Why is still
+#   open. `python benchmarks/ppo_jax_profile.py`, later and on a busier machine, split the bfloat16
+#   update (1.34 s under the profiler) into 46 ms a minibatch of products, 18 ms building the first
+#   layer's windows, 7 ms the other layers', 4 ms folding gradients back and 8 ms for the rest. In
+#   float32 the two layouts were within the noise of each other: 1.83 s against 1.94 s, 1.97 against
+#   1.88 and 1.94 against 1.93 in three alternated runs (batch first, then last), and 2.00 s against
+#   1.94 s under the profiler. The frames enter the torso batch first, as the vector env writes them
+#   and every other network here takes its input, and the map leaves it batch first, flattened
+#   channels last (`NatureActorCritic`); the parameters are unchanged.
 # * **Minibatches cut from one shuffled copy of the batch.** Each epoch shuffles the batch once and
 #   cuts it into minibatches, as PureJaxRL does, rather than gathering each minibatch's frames
 #   from the batch as it is used. XLA fused such a gather into the copies that build the first
