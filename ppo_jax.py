@@ -75,14 +75,14 @@ channels first scored 13.3, 17.5, 21.0 and 27.8 at 250k, 500k, 750k and 1M steps
 15.0, 19.0 and 27.4 in the curve. Both trained in float32; in bfloat16, now the default on that
 CPU, seed 1 scored 11.3, 15.1, 19.4 and 23.2 at the same steps (Hardware choices, Part 3).
 
-Atari Breakout, its games stepped inside the compiled program (Part 2), measured one after the
-other on 2 cores of an AMD EPYC with AVX-512 BF16: 575 steps a second with the torso in bfloat16,
-the default on that CPU as it is `ppo_atari.py`'s, against 599 for `ppo_atari.py` (0.96); in
-float32, 417 against 395. Two more runs within the hour measured 492 against 553 (0.89, the
-machine busier) and 593 against 593 (1.00). The games alone step faster here than through `ppo_atari.py`'s worker processes (3,153
-steps a second against 2,728); the update is what limits a CPU: an iteration of 8 games x 128
-steps is updated in 1.30 s in XLA against 0.93 s in PyTorch, both in bfloat16 (where XLA's time
-goes, and what took it down from 2.92 s: Hardware choices, Part 3).
+Atari Breakout, its games stepped inside the compiled program (Part 2), measured one after the other
+on 2 cores of an AMD EPYC with AVX-512 BF16: 575 steps a second with the torso in bfloat16, the
+default on that CPU as it is `ppo_atari.py`'s, against 599 for `ppo_atari.py` (0.96); in float32,
+417 against 395. Two more runs within the hour measured 492 against 553 (0.89, the machine busier)
+and 593 against 593 (1.00). The games alone step faster here than through `ppo_atari.py`'s worker
+processes (3,153 steps a second against 2,728); the update is what limits a CPU: an iteration of 8
+games x 128 steps is updated in 1.30 s in XLA against 0.93 s in PyTorch, both in bfloat16 (where
+XLA's time goes, and what took it down from 2.92 s: Hardware choices, Part 3).
 
 Papers and projects: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); PureJaxRL, the whole run as one JAX program (Lu et al., 2022, "Discovered Policy
