@@ -1626,15 +1626,16 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   Shuffled into that layout at each epoch, the frames were read by that loop at the minibatch's
 #   index, a slice that XLA fuses into the loop, and it took 15 ms a minibatch (in a small program,
 #   the loop took 15 to 24 ms reading a slice at a traced index against 2.3 ms at a fixed one); with
-#   each minibatch's frames first copied out through a `lax.switch`, it took 11 ms. Why is still
-#   open. `python benchmarks/ppo_jax_profile.py`, later and on a busier machine, split the bfloat16
-#   update (1.34 s under the profiler) into 46 ms a minibatch of products, 18 ms building the first
-#   layer's windows, 7 ms the other layers', 4 ms folding gradients back and 8 ms for the rest. In
-#   float32 the two layouts were within the noise of each other: 1.83 s against 1.94 s, 1.97 against
-#   1.88 and 1.94 against 1.93 in three alternated runs (batch first, then last), and 2.00 s against
-#   1.94 s under the profiler. The frames enter the torso batch first, as the vector env writes them
-#   and every other network here takes its input, and the map leaves it batch first, flattened
-#   channels last (`NatureActorCritic`); the parameters are unchanged.
+#   each minibatch's frames first copied out through a `lax.switch`, it took 11 ms: XLA's layout
+#   assignment gave that copy the batch-first layout again, and the loop moved the batch once more.
+#   `python benchmarks/ppo_jax_profile.py`, later and on a busier machine, split the bfloat16 update
+#   (1.34 s under the profiler) into 46 ms a minibatch of products, 18 ms building the first layer's
+#   windows, 7 ms the other layers', 4 ms folding gradients back and 8 ms for the rest. In float32
+#   the two layouts were within the noise of each other: 1.83 s against 1.94 s, 1.97 against 1.88
+#   and 1.94 against 1.93 in three alternated runs (batch first, then last), and 2.00 s against 1.94
+#   s under the profiler. The frames enter the torso batch first, as the vector env writes them and
+#   every other network here takes its input, and the map leaves it batch first, flattened channels
+#   last (`NatureActorCritic`); the parameters are unchanged.
 # * **Minibatches cut from one shuffled copy of the batch.** Each epoch shuffles the batch once and
 #   cuts it into minibatches, as PureJaxRL does, rather than gathering each minibatch's frames
 #   from the batch as it is used. XLA fused such a gather into the copies that build the first

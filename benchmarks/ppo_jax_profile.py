@@ -162,7 +162,7 @@ class FlaxConvolution(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         convolution = nn.Conv(self.features, (self.kernel, self.kernel), strides=self.stride, padding="VALID",
                               dtype=self.dtype)
-        x = jnp.moveaxis(x, (0, 1, 2), (-1, -3, -2)).astype(jnp.float32) * self.scale  # the product scaled, the same
+        x = jnp.moveaxis(x, (0, 1, 2), (-1, -3, -2)).astype(jnp.float32) * self.scale  # an input scaled, a product scaled
         return jnp.moveaxis(convolution(x), (-1, -3, -2), (0, 1, 2)).astype(jnp.float32)
 
 
