@@ -347,12 +347,18 @@ ppo_jax.compile_train_chunk = compile_slow_chunks"""
 @pytest.mark.parametrize("moment", ["saving", "closing"])
 def test_a_second_ctrl_c_while_saving_or_closing_aborts_naming_a_whole_checkpoint(moment, environment, tmp_path):
     # The first Ctrl-C stops training; the second comes while the final checkpoint is written, or while the
-    # TensorBoard writers are closed after it.
+    # TensorBoard writers are closed after it. The write is held until the second signal has been sent (the file
+    # `release` says so), not for a fixed time: on a loaded machine this test once sent it after a 3-second hold
+    # had ended and the run had exited.
     held = "ppo_jax.save_checkpoint" if moment == "saving" else "ppo_jax.EventWriter.close"
-    code = HOLD + f"""real = {held}
+    release = tmp_path.parent / f"{tmp_path.name}-release"
+    code = HOLD + f"""import pathlib
+real = {held}
 def held(*args):
     print("held: {moment}", file=sys.stderr, flush=True)
-    time.sleep(3)
+    deadline = time.monotonic() + 60
+    while not pathlib.Path({str(release)!r}).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     return real(*args)
 {held} = held"""
     watched = Watched(patched(code) + [*map(str, LONG), "--run-dir", str(tmp_path)], environment)
@@ -361,6 +367,7 @@ def held(*args):
     watched.process.send_signal(signal.SIGINT)
     watched.wait_for(f"held: {moment}", timeout=30)
     watched.process.send_signal(signal.SIGINT)
+    release.touch()
     assert watched.finish() == 130
     checkpoint = tmp_path / "checkpoint.msgpack"
     assert watched.stderr.splitlines()[-1] == ("aborted by a second interrupt: no checkpoint written now; the last "
