@@ -820,12 +820,30 @@ def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformatio
             agent = jax.tree.map(lambda new, old: jnp.where(take, new, old), stepped, agent)
             return (agent, stopped, broken), (terms, take, step_rms)
 
+        # Images (Atari's frames, MinAtar's grids) are copied out batch last, and each minibatch is taken
+        # at a fixed index: both for XLA's CPU backend ("Minibatches cut from one shuffled copy", Part 3).
+        images = batch.obs.ndim == 4
+
         def epoch(carry: tuple, key: jax.Array) -> tuple[tuple, tuple]:
             # The batch shuffled, then cut into minibatches: each a slice of one copy.
             order = jax.random.permutation(key, config.batch_size)
             minibatches = jax.tree.map(lambda x: x[order].reshape(config.num_minibatches, config.minibatch_size,
                                                                   *x.shape[1:]), batch)
-            (agent, stopped, broken), (terms, take, step_rms) = jax.lax.scan(minibatch_step, carry, minibatches)
+            if not images:
+                (agent, stopped, broken), (terms, take, step_rms) = jax.lax.scan(minibatch_step, carry, minibatches)
+            else:
+                minibatches = minibatches._replace(obs=jnp.moveaxis(minibatches.obs, 1, -1))
+
+                def cut(k: int) -> Batch:
+                    return jax.tree.map(lambda x: x[k], minibatches)
+
+                def image_step(carry: tuple, k: jax.Array) -> tuple[tuple, tuple]:
+                    # The minibatch at index `k`, chosen among copies each cut at a fixed index.
+                    minibatch = jax.lax.switch(k, [functools.partial(cut, j) for j in range(config.num_minibatches)])
+                    return minibatch_step(carry, minibatch._replace(obs=jnp.moveaxis(minibatch.obs, -1, 0)))
+
+                (agent, stopped, broken), (terms, take, step_rms) = jax.lax.scan(image_step, carry,
+                                                                                 jnp.arange(config.num_minibatches))
             if config.target_kl is not None:
                 # `--target-kl` ends the update after a whole epoch whose last minibatch strayed too
                 # far from the old policy, as CleanRL's `break` does: the epochs left do nothing.
