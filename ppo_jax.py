@@ -76,13 +76,14 @@ channels first scored 13.3, 17.5, 21.0 and 27.8 at 250k, 500k, 750k and 1M steps
 CPU, seed 1 scored 11.3, 15.1, 19.4 and 23.2 at the same steps (Hardware choices, Part 3).
 
 Atari Breakout, its games stepped inside the compiled program (Part 2), measured one after the other
-on 2 cores of an AMD EPYC with AVX-512 BF16: 575 steps a second with the torso in bfloat16, the
-default on that CPU as it is `ppo_atari.py`'s, against 599 for `ppo_atari.py` (0.96); in float32,
-417 against 395. Two more runs within the hour measured 492 against 553 (0.89, the machine busier)
-and 593 against 593 (1.00). The games alone step faster here than through `ppo_atari.py`'s worker
-processes (3,153 steps a second against 2,728); the update is what limits a CPU: an iteration of 8
-games x 128 steps is updated in 1.30 s in XLA against 0.93 s in PyTorch, both in bfloat16 (where
-XLA's time goes, and what took it down from 2.92 s: Hardware choices, Part 3).
+on 2 cores of an AMD EPYC with AVX-512 BF16: 716 steps a second with the torso in bfloat16, the
+default on that CPU as it is `ppo_atari.py`'s, against 713 for `ppo_atari.py` (1.00); in float32,
+494 against 490. Two more runs within the hour measured 713 against 676 (1.05) and, the machine
+busier, 631 against 590 (1.07). The games alone step faster here than through `ppo_atari.py`'s
+worker processes (4,311 steps a second against 3,535), and an iteration of 8 games x 128 steps is
+played in 0.46 s against 0.62 s; the update is still slower in XLA than in PyTorch, 0.98 s against
+0.83 s, both in bfloat16 (where XLA's time goes, and what took it down from 2.92 s: Hardware
+choices, Part 3).
 
 Papers and projects: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); PureJaxRL, the whole run as one JAX program (Lu et al., 2022, "Discovered Policy
@@ -1638,28 +1639,38 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   three runs, and 1.52 against 1.45 s later, the machine busier (the commits before and after,
 #   medians of 6). Under the profiler, the second layer's windows took 2.0 ms a minibatch against
 #   5.0, the third's 2.2 against 5.4, and folding the second layer's gradient back 1.8 against 3.1.
-#   The first layer's windows did not get cheaper (14 ms against 12): the frames arrive batch first,
-#   and the loop that builds their windows also moves the batch to the end. From frames already laid
-#   out batch last, the same windows took 2 ms in a program of their own, but not inside the update.
-#   Shuffled into that layout at each epoch, the frames were read by that loop at the minibatch's
-#   index, a slice that XLA fuses into the loop, and it took 15 ms a minibatch (in a small program,
-#   the loop took 15 to 24 ms reading a slice at a traced index against 2.3 ms at a fixed one); with
-#   each minibatch's frames first copied out through a `lax.switch`, it took 11 ms: XLA's layout
-#   assignment gave that copy the batch-first layout again, and the loop moved the batch once more.
-#   `python benchmarks/ppo_jax_profile.py`, later and on a busier machine, split the bfloat16 update
-#   (1.34 s under the profiler) into 46 ms a minibatch of products, 18 ms building the first layer's
-#   windows, 7 ms the other layers', 4 ms folding gradients back and 8 ms for the rest. In float32
-#   the two layouts were within the noise of each other: 1.83 s against 1.94 s, 1.97 against 1.88
-#   and 1.94 against 1.93 in three alternated runs (batch first, then last), and 2.00 s against 1.94
-#   s under the profiler. The frames enter the torso batch first, as the vector env writes them and
-#   every other network here takes its input, and the map leaves it batch first, flattened channels
-#   last (`NatureActorCritic`); the parameters are unchanged.
-# * **Minibatches cut from one shuffled copy of the batch.** Each epoch shuffles the batch once and
-#   cuts it into minibatches, as PureJaxRL does, rather than gathering each minibatch's frames
-#   from the batch as it is used. XLA fused such a gather into the copies that build the first
-#   layer's windows, which then took 26 ms a minibatch in float32, against 8 ms with the shuffled
-#   copy (the update profiled as `python benchmarks/ppo_jax_profile.py` profiles it). The
-#   minibatches, and what is computed from them, are the same.
+#   The first layer's windows are built from the frames themselves, and in the update they got
+#   cheaper only once the frames too reached it batch last (next item). In float32 the two layouts
+#   were within the noise of each other: 1.83 s against 1.94 s, 1.97 against 1.88 and 1.94 against
+#   1.93 in three alternated runs (batch first, then last), and 2.00 s against 1.94 s under the
+#   profiler. The frames enter the torso batch first, as the vector env writes them and every other
+#   network here takes its input, and the map leaves it batch first, flattened channels last
+#   (`NatureActorCritic`); the parameters are unchanged.
+# * **Minibatches cut from one shuffled copy of the batch, at fixed indices.** Each epoch shuffles
+#   the batch once and cuts it into minibatches, as PureJaxRL does, rather than gathering each
+#   minibatch's frames from the batch as it is used. XLA fused such a gather into the copies that
+#   build the first layer's windows, which then took 26 ms a minibatch in float32, against 8 ms with
+#   the shuffled copy (the update profiled as `python benchmarks/ppo_jax_profile.py` profiles it).
+#   Two more things keep those copies fast, both for images only (`images` in `make_update_agent`;
+#   vectors are scanned over as they are). The shuffled copy holds the frames batch last, each
+#   minibatch `[4, 84, 84, N]`, and the network's move of the batch to the end cancels the update's
+#   move of it back to the front, so the windows are cut from frames laid out as the maps after them
+#   are (previous item). And the scan runs over the minibatches' indices, each minibatch taken by
+#   `lax.switch` among slices cut at indices fixed when the program is compiled: a scan over the
+#   minibatches themselves reads each one at an index known only when it runs, and XLA fused that
+#   dynamic slice into the loop that builds the windows, which then ran at a fraction of a copy's
+#   speed (in a small program, 15 to 24 ms reading a slice at a traced index against 2.3 ms at a
+#   fixed one). Either alone was not enough, measured in the update: with the frames batch last but
+#   read at the scan's index, the first layer's windows took 15 ms a minibatch (14 before); taken
+#   through `lax.switch` but batch first, 11 ms, XLA's layout assignment having laid the slice it
+#   copies out batch first, so that the loop moved the batch once more. Together, the bfloat16
+#   update of 8 games x 128 steps took 1.02 s against 1.14 s (the commits before and after
+#   alternated in one process, medians of 6), its losses and parameters the same to the bit. Under
+#   the profiler, the same hour, the first layer's windows took 2.0 ms a minibatch against 16.5 (the
+#   update 1.28 s against 1.58 s, on a busy machine); what the path for images adds is the copy that
+#   moves the frames' batch to the end, once an epoch, 2.7 ms a minibatch (in an update of 1.01 s on
+#   an idle machine). The minibatches, and what is computed from them, are the same; a test checks
+#   that an update from images equals one from the same images given as vectors.
 # * **bfloat16 on a CPU that multiplies in it, float32 elsewhere** (`--precision`, as
 #   `ppo_atari.py`'s). On a CPU with AMX or AVX-512 BF16, the torso's products (the three
 #   convolutions and the 512-unit layer) take their operands in bfloat16 and sum in float32; the
@@ -1681,8 +1692,8 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #   the kernel as it is stored, and copies the map a second time, as columns, for the kernel's
 #   gradient. Measured here (an AMD EPYC with AVX-512 BF16; `python
 #   benchmarks/ppo_jax_speed.py --part atari`, medians of 2), the update of 8 games x 128 steps took
-#   1.30 s in bfloat16 against 1.89 s in float32, and a whole iteration ran at 575 steps a second
-#   against 417. It learns as float32 does, as far as one seed shows (trained before the 512-unit
+#   0.98 s in bfloat16 against 1.60 s in float32, and a whole iteration ran at 716 steps a second
+#   against 494. It learns as float32 does, as far as one seed shows (trained before the 512-unit
 #   layer took its kernel as stored, which computes the same products): seed 1 of Breakout in
 #   bfloat16 scored 11.3, 15.1, 19.4 and 23.2 (the real score of the last 100 games at 250k, 500k,
 #   750k and 1M steps, the 10M schedule), between the two float32 seeds of Part 1's curve (seed 1:
