@@ -830,21 +830,20 @@ def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformatio
             order = jax.random.permutation(key, config.batch_size)
             minibatches = jax.tree.map(lambda x: x[order].reshape(config.num_minibatches, config.minibatch_size,
                                                                   *x.shape[1:]), batch)
-            if not images:
-                (agent, stopped, broken), (terms, take, step_rms) = jax.lax.scan(minibatch_step, carry, minibatches)
-            else:
+            if images:
                 minibatches = minibatches._replace(obs=jnp.moveaxis(minibatches.obs, 1, -1))
 
                 def cut(k: int) -> Batch:
                     return jax.tree.map(lambda x: x[k], minibatches)
 
                 def image_step(carry: tuple, k: jax.Array) -> tuple[tuple, tuple]:
-                    # The minibatch at index `k`, chosen among copies each cut at a fixed index.
                     minibatch = jax.lax.switch(k, [functools.partial(cut, j) for j in range(config.num_minibatches)])
                     return minibatch_step(carry, minibatch._replace(obs=jnp.moveaxis(minibatch.obs, -1, 0)))
 
-                (agent, stopped, broken), (terms, take, step_rms) = jax.lax.scan(image_step, carry,
-                                                                                 jnp.arange(config.num_minibatches))
+                step, xs = image_step, jnp.arange(config.num_minibatches)
+            else:
+                step, xs = minibatch_step, minibatches
+            (agent, stopped, broken), (terms, take, step_rms) = jax.lax.scan(step, carry, xs)
             if config.target_kl is not None:
                 # `--target-kl` ends the update after a whole epoch whose last minibatch strayed too
                 # far from the old policy, as CleanRL's `break` does: the epochs left do nothing.
