@@ -81,10 +81,11 @@ default on that CPU as it is `ppo_atari.py`'s, against 713 for `ppo_atari.py` (1
 494 against 490. Two more runs within the hour measured 713 against 676 (1.05) and, the machine
 busier, 631 against 590 (1.07); two runs the next session, on the same kind of machine, 694 against
 641 (1.08) and 701 against 600 (1.17). The games alone step faster here than through
-`ppo_atari.py`'s worker processes (4,311 steps a second against 3,535), and an iteration of 8 games
-x 128 steps is played in 0.46 s against 0.62 s; the update is still slower in XLA than in PyTorch,
-0.98 s against 0.83 s, both in bfloat16 (where XLA's time goes, and what took it down from 2.92 s:
-Hardware choices, Part 3).
+`ppo_atari.py`'s worker processes (4,311 steps a second against 3,535), and in the first run an
+iteration of 8 games x 128 steps was played in 0.46 s against 0.62 s. The update is where PyTorch is
+usually faster: 0.98 s against 0.83 s in that run, both in bfloat16, and 1.03 s against 0.89 s in
+the next session's first, though in its second XLA's was the shorter, 1.01 s against 1.08 s. Where
+XLA's time goes, and what took it down from 2.92 s: Hardware choices, Part 3.
 
 Papers and projects: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); PureJaxRL, the whole run as one JAX program (Lu et al., 2022, "Discovered Policy
