@@ -49,7 +49,7 @@ The page in order:
 2. **Sampling at speed**: `Workers`, many games in other processes, frames in shared memory.
 3. **Running it for real**: the command line (`RunConfig`: `Config` and the settings of one
    invocation), the hardware choices (`TunedTrainer`), checkpoints, logging and progress, signals
-   (`StopRequest`), the run (`train`), evaluation and video, `main()`.
+   (`StopRequest`), the run (`train`), evaluation and video, a trained policy in Python (`load_policy`), `main()`.
 4. **More than one device**: data-parallel training under torchrun (`DataParallelTrainer`, `Ranks`).
 
 Licence: MIT (see LICENSE in the repository this file comes from); copy it freely, keeping this line.
@@ -2038,6 +2038,57 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
     if config.track:
         track_evaluation(config, scores, [video.path for video in videos])
     return scores
+
+
+# ### A trained policy in Python
+#
+# `load_policy` hands a checkpoint's agent to a program of your own: a notebook that watches it
+# play, a study of what its network attends to, a fork's evaluation. It carries the preprocessing
+# the agent learned with, so what it acts on is what it was trained on.
+
+
+class Policy:
+    """A trained agent, ready to act: a checkpoint's network and the game protocol it learned with.
+
+    `act` takes the observation `Game` gives (a stack of 4 grey 84 x 84 `uint8` frames), or a batch
+    of them, and returns an action, or an array of actions; `make_env` makes a game that plays by
+    the checkpoint's protocol (no-ops, FIRE, frame skip, life loss, ...), which produces exactly
+    those observations from the raw emulator. Actions are sampled from the policy, as in training
+    and `--eval`; `deterministic=True` takes the likeliest one instead.
+    """
+
+    def __init__(self, model: ActorCritic, config: Config, env_id: str, observation_shape: tuple[int, ...],
+                 device: torch.device):
+        self.model, self.config, self.env_id, self.device = model, config, env_id, device
+        self.observation_shape = observation_shape
+
+    def make_env(self, seed: int = 0) -> Game:
+        """A game of the checkpoint's Atari game, preprocessed as in training; `reset()` it first."""
+        return make_env(self.env_id, seed, game_options(self.config))
+
+    @torch.inference_mode()
+    def act(self, observation: np.ndarray, deterministic: bool = False) -> int | np.ndarray:
+        """The action for one observation (an `int`), or for a batch of them (an array)."""
+        frames = torch.as_tensor(np.asarray(observation), device=self.device)
+        one = frames.shape == self.observation_shape
+        logits, _ = self.model(frames.unsqueeze(0) if one else frames)
+        actions = logits.argmax(-1) if deterministic else Categorical(logits=logits, validate_args=False).sample()
+        actions = actions.cpu().numpy()
+        return int(actions[0]) if one else actions
+
+
+def load_policy(path: str | Path, device: str = "cpu") -> Policy:
+    """The policy in a `checkpoint.pt` of this script, on `device`, ready to act (see `Policy`).
+
+    A path that is not such a checkpoint, or holds a diverged network, is a `ConfigError`.
+    """
+    checkpoint = load_checkpoint(str(path))
+    config = Config(**{field.name: checkpoint["config"][field.name] for field in dataclasses.fields(Config)})
+    env_id = resolve_env_id(config.env)
+    probe = make_env(env_id, 0, game_options(config))
+    model = make_model(probe.obs.shape, probe.n_actions)
+    restore_model(model, checkpoint, str(path))
+    return Policy(model.to(device).eval(), config, env_id, tuple(probe.obs.shape), torch.device(device))
 
 
 # ### main

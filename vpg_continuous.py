@@ -66,7 +66,7 @@ The page in order:
 2. **Sampling at speed**: `Workers`, many envs in other processes, observations in shared memory.
 3. **Running it for real**: the command line (`RunConfig`: `Config` and the settings of one
    invocation) and its validation, the hardware choices, checkpoints, logging and progress, signals
-   (`StopRequest`), the run (`train`), evaluation and video, and `main()`.
+   (`StopRequest`), the run (`train`), evaluation and video, a trained policy in Python (`load_policy`), and `main()`.
 4. **More than one device** (optional): data-parallel training under torchrun
    (`DataParallelTrainer`, `Ranks`).
 
@@ -2179,6 +2179,58 @@ def render_frame(task: Task, env_id: str) -> np.ndarray:
         return task.render()
     except gym.error.DependencyNotInstalled as error:
         raise ConfigError(f"cannot record {env_id}: {str(error).strip().splitlines()[0]}") from None
+
+
+# ### A trained policy in Python
+#
+# `load_policy` hands a checkpoint's agent to a program of your own: a notebook that watches it,
+# a fork's evaluation, a controller. The network learned on normalised observations, so the policy
+# carries the statistics its checkpoint froze, as `--eval` uses them.
+
+
+class Policy:
+    """A trained agent, ready to act: a checkpoint's policy network, its observation statistics
+    (frozen) and its task's action bounds.
+
+    `act` takes an observation as the task's env gives it (a vector, or a batch of them) and returns
+    an action inside the bounds, ready for `env.step`: sampled from the Gaussian, as in training and
+    `--eval`, or its mean with `deterministic=True`. `make_env` makes the checkpoint's task.
+    """
+
+    def __init__(self, network: GaussianPolicy, normalizer: ObservationNormalizer, config: Config, spaces: EnvSpaces,
+                 env_id: str, device: torch.device):
+        self.network, self.normalizer, self.config, self.spaces = network, normalizer, config, spaces
+        self.env_id, self.device = env_id, device
+
+    def make_env(self, **kwargs) -> gym.Env:
+        """The checkpoint's task with its time limit, made by `gym.make` with `kwargs` (`render_mode="human"`, say)."""
+        return gym.make(self.env_id, max_episode_steps=self.config.max_episode_steps, **kwargs)
+
+    @torch.inference_mode()
+    def act(self, observation: np.ndarray, deterministic: bool = False) -> np.ndarray:
+        """The action `[action_dim]` for one observation, or `[batch, action_dim]` for a batch."""
+        observation = np.asarray(observation, np.float64)
+        one = observation.ndim == 1
+        batch = torch.from_numpy(self.normalizer(observation[None] if one else observation)).to(self.device)
+        mean, std = self.network(batch)
+        actions = mean if deterministic else sample_actions(mean, std)
+        actions = np.clip(actions.cpu().numpy().astype(np.float64), self.spaces.action_low, self.spaces.action_high)
+        return actions[0] if one else actions
+
+
+def load_policy(path: str | Path, device: str = "cpu") -> Policy:
+    """The policy in a `checkpoint.pt` of this script, on `device`, ready to act (see `Policy`).
+
+    A path that is not such a checkpoint, or holds a diverged network, is a `ConfigError`.
+    """
+    checkpoint = load_checkpoint(str(path))
+    config = Config(**{field.name: checkpoint["config"][field.name] for field in dataclasses.fields(Config)})
+    spaces = describe_env(checkpoint["env_id"])
+    network = make_networks(spaces, config)[0]
+    restore_networks({"policy": network}, checkpoint, str(path))
+    normalizer = ObservationNormalizer(spaces.obs_dim, enabled=config.normalize_observations)
+    normalizer.load_state_dict(checkpoint["obs_normalizer"])
+    return Policy(network.to(device).eval(), normalizer, config, spaces, checkpoint["env_id"], torch.device(device))
 
 
 # ### main
