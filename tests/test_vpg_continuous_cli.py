@@ -230,7 +230,6 @@ def test_no_opengl_at_all_names_what_to_install(monkeypatch):
     (["--total-timesteps", "100"], "less than one batch"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
-    (["--capture-video"], "use it with --eval"),
     (["--eval", "missing.pt"], "checkpoint missing.pt does not exist"),
     (["--eval", "a.pt", "--resume", "b.pt"], "cannot be used together"),
 ])
