@@ -49,7 +49,7 @@ The page in order:
 2. **Sampling at speed**: `Workers`, many games in other processes, frames in shared memory.
 3. **Running it for real**: the command line (`RunConfig`: `Config` and the settings of one
    invocation), the hardware choices (`TunedTrainer`), checkpoints, logging and progress, signals
-   (`StopRequest`), the run (`train`), evaluation and video, `main()`.
+   (`StopRequest`), the run (`train`), evaluation and video, a trained policy in Python (`load_policy`), `main()`.
 4. **More than one device**: data-parallel training under torchrun (`DataParallelTrainer`, `Ranks`).
 
 Licence: MIT (see LICENSE in the repository this file comes from); copy it freely, keeping this line.
@@ -1047,10 +1047,11 @@ class RunConfig(Config):
     eval_episodes: int = 10
     """Games to play with `--eval`."""
     capture_video: bool = False
-    """With `--eval`, write each game to an mp4 in <run dir>/videos."""
+    """Write games to H.264 mp4s in <run dir>/videos: while training, games 0, 1, 8, 27, ... (the cubes,
+    then every 1,000th) of the first game slot; with `--eval`, every game played."""
     track: bool = False
     """Send the run to Weights & Biases, as CleanRL does: its TensorBoard scalars, and the videos of
-    `--eval --capture-video` (needs `pip install wandb`)."""
+    `--capture-video` (needs `pip install wandb`)."""
     wandb_project_name: str = "policy-gradients"
     """The Weights & Biases project that `--track` sends the run to."""
     wandb_entity: str | None = None
@@ -1172,8 +1173,6 @@ def check_config(config: RunConfig) -> None:
                           f"after {config.noop_max} no-ops")
     if config.eval is not None and config.resume is not None:
         raise ConfigError("--eval and --resume cannot be used together")
-    if config.capture_video and config.eval is None:
-        raise ConfigError("--capture-video records evaluation games; use it with --eval CHECKPOINT")
 
 
 def resolve_env_id(name: str) -> str:
@@ -1789,7 +1788,8 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
                 # The workers start before anything touches CUDA or starts a thread (TensorBoard's
                 # writer does), so that forking them is safe.
                 envs = Workers(env_id, config.num_envs, num_workers, config.seed, game_options(config), start_method,
-                               first_game=ranks.rank * config.num_envs)
+                               first_game=ranks.rank * config.num_envs,
+                               make_env=game_maker(config, env_id, run_dir, checkpoint))
                 try:
                     device = choose_device(config.device, ranks.local_rank)
                     ranks.start(device)
@@ -1839,6 +1839,7 @@ def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: Wo
                                f"the last checkpoint is {last}") from None
 
     writer, progress, tracking = None, Progress(config.total_timesteps, trainer.global_step), None
+    videos = TrainingVideos(run_dir / "videos")
     if checkpoint is not None:
         progress.scores.extend(checkpoint.get("recent_scores", []))  # absent from older checkpoints
     if ranks.is_main:
@@ -1863,6 +1864,8 @@ def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: Wo
             spent = {phase: seconds - before[phase] for phase, seconds in timings.items()}
             seconds = {"env": spent["env"], "inference": spent["sampling"] - spent["env"], "update": spent["update"]}
             log_update(writer, trainer.global_step, stats, finished_games, progress, seconds)
+        if tracking is not None and config.capture_video:
+            videos.send(tracking)
         before.update(timings)
         stopped_by = ranks.largest(stop.signal or 0, device)
         if stopped_by:
@@ -1919,8 +1922,9 @@ def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: Wo
 #
 # `--track` sends the run to Weights & Biases, as CleanRL does. wandb mirrors every TensorBoard
 # event the run writes from `wandb.init` on (`sync_tensorboard`), so the tags are the same in both;
-# `--eval --capture-video` uploads its videos. wandb is optional, imported only for `--track`, and
-# `WANDB_MODE=offline` keeps a run on disk for a later `wandb sync`.
+# with `--capture-video`, training sends each video as its game ends, and `--eval` its own. wandb is
+# optional, imported only for `--track`, and `WANDB_MODE=offline` keeps a run on disk for a later
+# `wandb sync`.
 
 
 def import_wandb():
@@ -2025,7 +2029,7 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
             for i, action in zip(playing, actions):
                 step = games[i].step(action)
                 if videos:
-                    videos[i].write(cv2.resize(games[i].render(), None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST))
+                    videos[i].write(video_frame(games[i]))
                 if step.game_over:
                     scores[i] = step.score
                     if videos:
@@ -2038,6 +2042,155 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
     if config.track:
         track_evaluation(config, scores, [video.path for video in videos])
     return scores
+
+
+# ### Videos while training
+#
+# With `--capture-video`, a run records some whole games of its first game slot as it trains, as
+# CleanRL does: games 0, 1, 8, 27, ... (the cubes) up to 1,000, then every 1,000th (gymnasium's
+# `capped_cubic_video_schedule`), so the early games that change fastest are seen, and a long run
+# leaves a few dozen videos rather than thousands. The game is recorded where it is played, in its
+# worker: `RecordingMaker` stands in for `make_env` and wraps that one game in a `RecordedGame`. A
+# video is written under a hidden name and renamed when its game ends, so the main process sees only
+# whole videos, and sends each new one to Weights & Biases with `--track`.
+
+
+def records_game(index: int) -> bool:
+    """Whether game `index` (from 0) of the recorded slot is recorded: the cubes below 1,000, then every 1,000th."""
+    if index < 1000:
+        root = round(index ** (1 / 3))
+        return root ** 3 == index
+    return index % 1000 == 0
+
+
+def video_frame(game: Game) -> np.ndarray:
+    """The game's screen in colour at twice its size (420 x 320), for a video."""
+    return cv2.resize(game.render(), None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST)
+
+
+class RecordedGame:
+    """A game (as `make_env` makes it) that writes the games `records_game` picks to
+    `<video_dir>/<prefix>-gameNNNN.mp4`."""
+
+    def __init__(self, game: Game, video_dir: Path, prefix: str, fps: float):
+        self.game, self.video_dir, self.prefix, self.fps = game, video_dir, prefix, fps
+        self.obs, self.n_actions = game.obs, game.n_actions
+        self.games = 0
+        self.video: Video | None = None
+
+    def reset(self) -> np.ndarray:
+        obs = self.game.reset()
+        if records_game(self.games):
+            self.video_dir.mkdir(parents=True, exist_ok=True)
+            self.name = f"{self.prefix}-game{self.games:04d}.mp4"
+            self.video = Video(self.video_dir / f".{self.name}", self.fps)
+            self.video.write(video_frame(self.game))
+        self.games += 1
+        return obs
+
+    def step(self, action: int) -> Transition:
+        step = self.game.step(action)
+        if self.video is not None:
+            self.video.write(video_frame(self.game))
+            if step.game_over:
+                self.video.close()
+                os.replace(self.video.path, self.video_dir / self.name)
+                self.video = None
+        return step
+
+    def render(self) -> np.ndarray:
+        return self.game.render()
+
+
+@dataclass
+class RecordingMaker:
+    """`make_env` for the workers of a recorded run: the game whose seed is `seed` (the run's first) is
+    a `RecordedGame`."""
+
+    seed: int
+    video_dir: Path
+    prefix: str
+    fps: float
+    make_env: typing.Callable = make_env
+
+    def __call__(self, env_id: str, seed: int, options: dict, obs: np.ndarray | None = None):
+        game = self.make_env(env_id, seed, options, obs=obs)
+        return RecordedGame(game, self.video_dir, self.prefix, self.fps) if int(seed) == self.seed else game
+
+
+def game_maker(config: RunConfig, env_id: str, run_dir: Path, checkpoint: dict | None) -> typing.Callable:
+    """What the workers make their games with: `make_env`, or with `--capture-video` a `RecordingMaker`
+    for the run's first game (the first of rank 0, whose seed is the first of `game_seeds`). The
+    videos' names hold the update their stretch of training started at, so a resumed run adds its own."""
+    if not config.capture_video:
+        return make_env
+    first_update = checkpoint["update"] if checkpoint is not None else 0
+    return RecordingMaker(int(game_seeds(config.seed, 1)[0]), run_dir / "videos",
+                          f"train-{gym.spec(env_id).name}-from-update{first_update}", 60 / config.frame_skip)
+
+
+class TrainingVideos:
+    """The main process's side: each whole video of training, sent once to Weights & Biases."""
+
+    def __init__(self, video_dir: Path):
+        self.video_dir, self.sent = video_dir, set()
+
+    def send(self, tracking) -> None:
+        for path in sorted(self.video_dir.glob("train-*.mp4")):
+            if path not in self.sent:
+                tracking.log({"videos": import_wandb().Video(str(path), format="mp4")})
+                self.sent.add(path)
+
+
+# ### A trained policy in Python
+#
+# `load_policy` hands a checkpoint's agent to a program of your own: a notebook that watches it
+# play, a study of what its network attends to, a fork's evaluation. It carries the preprocessing
+# the agent learned with, so what it acts on is what it was trained on.
+
+
+class Policy:
+    """A trained agent, ready to act: a checkpoint's network and the game protocol it learned with.
+
+    `act` takes the observation `Game` gives (a stack of 4 grey 84 x 84 `uint8` frames), or a batch
+    of them, and returns an action, or an array of actions; `make_env` makes a game that plays by
+    the checkpoint's protocol (no-ops, FIRE, frame skip, life loss, ...), which produces exactly
+    those observations from the raw emulator. Actions are sampled from the policy, as in training
+    and `--eval`; `deterministic=True` takes the likeliest one instead.
+    """
+
+    def __init__(self, model: ActorCritic, config: Config, env_id: str, observation_shape: tuple[int, ...],
+                 device: torch.device):
+        self.model, self.config, self.env_id, self.device = model, config, env_id, device
+        self.observation_shape = observation_shape
+
+    def make_env(self, seed: int = 0) -> Game:
+        """A game of the checkpoint's Atari game, preprocessed as in training; `reset()` it first."""
+        return make_env(self.env_id, seed, game_options(self.config))
+
+    @torch.inference_mode()
+    def act(self, observation: np.ndarray, deterministic: bool = False) -> int | np.ndarray:
+        """The action for one observation (an `int`), or for a batch of them (an array)."""
+        frames = torch.as_tensor(np.asarray(observation), device=self.device)
+        one = frames.shape == self.observation_shape
+        logits, _ = self.model(frames.unsqueeze(0) if one else frames)
+        actions = logits.argmax(-1) if deterministic else Categorical(logits=logits, validate_args=False).sample()
+        actions = actions.cpu().numpy()
+        return int(actions[0]) if one else actions
+
+
+def load_policy(path: str | Path, device: str = "cpu") -> Policy:
+    """The policy in a `checkpoint.pt` of this script, on `device`, ready to act (see `Policy`).
+
+    A path that is not such a checkpoint, or holds a diverged network, is a `ConfigError`.
+    """
+    checkpoint = load_checkpoint(str(path))
+    config = Config(**{field.name: checkpoint["config"][field.name] for field in dataclasses.fields(Config)})
+    env_id = resolve_env_id(config.env)
+    probe = make_env(env_id, 0, game_options(config))
+    model = make_model(probe.obs.shape, probe.n_actions)
+    restore_model(model, checkpoint, str(path))
+    return Policy(model.to(device).eval(), config, env_id, tuple(probe.obs.shape), torch.device(device))
 
 
 # ### main

@@ -66,7 +66,7 @@ The page in order:
 2. **Sampling at speed**: `Workers`, many envs in other processes, observations in shared memory.
 3. **Running it for real**: the command line (`RunConfig`: `Config` and the settings of one
    invocation) and its validation, the hardware choices, checkpoints, logging and progress, signals
-   (`StopRequest`), the run (`train`), evaluation and video, and `main()`.
+   (`StopRequest`), the run (`train`), evaluation and video, a trained policy in Python (`load_policy`), and `main()`.
 4. **More than one device** (optional): data-parallel training under torchrun
    (`DataParallelTrainer`, `Ranks`).
 
@@ -1009,7 +1009,7 @@ def numpy_views(blocks: dict[str, tuple]) -> dict[str, np.ndarray]:
 
 
 def run_worker(connection: Connection, env_id: str, seeds: np.ndarray, first_env: int,
-               blocks: dict[str, tuple], max_episode_steps: int | None) -> None:
+               blocks: dict[str, tuple], max_episode_steps: int | None, make_task=Task) -> None:
     """The loop of one worker process: it steps envs `first_env, first_env + 1, ...`.
 
     It answers each command from the main process (`reset`, `step`, `close`) with `ok` once the
@@ -1022,7 +1022,7 @@ def run_worker(connection: Connection, env_id: str, seeds: np.ndarray, first_env
         rows = slice(first_env, first_env + len(seeds))
         arrays = {name: array[rows] for name, array in numpy_views(blocks).items()}
         for i, seed in enumerate(seeds):
-            tasks.append(Task(env_id, seed, max_episode_steps, obs=arrays["obs"][i]))
+            tasks.append(make_task(env_id, seed, max_episode_steps, obs=arrays["obs"][i]))
         connection.send_bytes(b"ok")
         while True:
             ready = wait_for_any([connection] + ([parent.sentinel] if parent is not None else []))
@@ -1063,12 +1063,13 @@ class Workers:
 
     `reset()` starts every env and returns the observations; `step(actions)` plays one step of
     every env and returns a `VecStep`, whose arrays are views of shared memory, valid until the
-    next step. Use it as a context manager, or call `close()`.
+    next step. Use it as a context manager, or call `close()`. Each env is made by `make_task`
+    (`Task`, unless Part 3 records one; under `spawn` it must be importable by the workers).
     """
 
     def __init__(self, env_id: str, num_envs: int, num_workers: int, seed: int, spaces: EnvSpaces,
                  max_episode_steps: int | None = None, start_method: str | None = None, first_update: int = 0,
-                 first_env: int = 0):
+                 first_env: int = 0, make_task=Task):
         context = mp.get_context(start_method)
         self.num_envs = num_envs
         self.spaces = spaces
@@ -1086,7 +1087,8 @@ class Workers:
             for index, envs in enumerate(np.array_split(np.arange(num_envs), num_workers)):
                 ours, theirs = context.Pipe()
                 process = context.Process(target=run_worker, name=f"vpg_continuous-worker-{index}", daemon=True,
-                                          args=(theirs, env_id, seeds[envs], int(envs[0]), blocks, max_episode_steps))
+                                          args=(theirs, env_id, seeds[envs], int(envs[0]), blocks, max_episode_steps,
+                                                make_task))
                 process.start()
                 theirs.close()
                 self.processes.append(process)
@@ -1210,10 +1212,11 @@ class RunConfig(Config):
     eval_deterministic: bool = False
     """With `--eval`, act with the policy's mean action instead of sampling as in training."""
     capture_video: bool = False
-    """With `--eval`, write each episode to an mp4 in <run dir>/videos."""
+    """Write episodes to H.264 mp4s in <run dir>/videos: while training, episodes 0, 1, 8, 27, ... (the
+    cubes, then every 1,000th) of the first env; with `--eval`, every episode played."""
     track: bool = False
     """Send the run to Weights & Biases, as CleanRL does: its TensorBoard scalars, and the videos of
-    `--eval --capture-video` (needs `pip install wandb`)."""
+    `--capture-video` (needs `pip install wandb`)."""
     wandb_project_name: str = "policy-gradients"
     """The Weights & Biases project that `--track` sends the run to."""
     wandb_entity: str | None = None
@@ -1332,8 +1335,6 @@ def check_config(config: RunConfig) -> None:
         raise ConfigError(f"--num-workers {config.num_workers} is more than --num-envs {config.num_envs}")
     if config.eval is not None and config.resume is not None:
         raise ConfigError("--eval and --resume cannot be used together")
-    if config.capture_video and config.eval is None:
-        raise ConfigError("--capture-video records evaluation episodes; use it with --eval CHECKPOINT")
 
 
 def resolve_env_id(name: str) -> str:
@@ -1855,7 +1856,8 @@ def train(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict | 
                 # The workers start before anything touches CUDA or starts a thread (TensorBoard's
                 # writer does), so that forking them is safe.
                 envs = Workers(env_id, config.num_envs, num_workers, config.seed, spaces, config.max_episode_steps,
-                               start_method, first_update, first_env=ranks.rank * config.num_envs)
+                               start_method, first_update, first_env=ranks.rank * config.num_envs,
+                               make_task=task_maker(config, env_id, run_dir, first_update))
                 try:
                     device = choose_device(config.device, ranks.local_rank)
                     ranks.start(device)
@@ -1906,6 +1908,7 @@ def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: Wo
                                f"the last checkpoint is {last}") from None
 
     writer, progress, tracking = None, Progress(config.total_timesteps, trainer.global_step), None
+    videos = TrainingVideos(run_dir / "videos")
     if checkpoint is not None:
         progress.returns.extend(checkpoint.get("recent_returns", []))  # absent from older checkpoints
     if ranks.is_main:
@@ -1930,6 +1933,8 @@ def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: Wo
             spent = {phase: seconds - before[phase] for phase, seconds in timings.items()}
             seconds = {"env": spent["env"], "inference": spent["sampling"] - spent["env"], "update": spent["update"]}
             log_update(writer, trainer.global_step, stats, finished_episodes, progress, seconds)
+        if tracking is not None and config.capture_video:
+            videos.send(tracking)
         before.update(timings)
         stopped_by = ranks.largest(stop.signal or 0, device)
         if stopped_by:
@@ -1986,8 +1991,9 @@ def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: Wo
 #
 # `--track` sends the run to Weights & Biases, as CleanRL does. wandb mirrors every TensorBoard
 # event the run writes from `wandb.init` on (`sync_tensorboard`), so the tags are the same in both;
-# `--eval --capture-video` uploads its videos. wandb is optional, imported only for `--track`, and
-# `WANDB_MODE=offline` keeps a run on disk for a later `wandb sync`.
+# with `--capture-video`, training sends each video as its episode ends, and `--eval` its own. wandb
+# is optional, imported only for `--track`, and `WANDB_MODE=offline` keeps a run on disk for a later
+# `wandb sync`.
 
 
 def import_wandb():
@@ -2179,6 +2185,161 @@ def render_frame(task: Task, env_id: str) -> np.ndarray:
         return task.render()
     except gym.error.DependencyNotInstalled as error:
         raise ConfigError(f"cannot record {env_id}: {str(error).strip().splitlines()[0]}") from None
+
+
+# ### Videos while training
+#
+# With `--capture-video`, a run records some whole episodes of its first env as it trains, as
+# CleanRL does: episodes 0, 1, 8, 27, ... (the cubes) up to 1,000, then every 1,000th (gymnasium's
+# `capped_cubic_video_schedule`), so the early episodes that change fastest are seen, and a long run
+# leaves a few dozen videos rather than thousands. The episode is recorded where it is played, in
+# its worker: `RecordingMaker` stands in for `Task` and makes that one env a `RecordedTask`, which
+# renders. A video is written under a hidden name and renamed when its episode ends, so the main
+# process sees only whole videos, and sends each new one to Weights & Biases with `--track`.
+# Rendering costs: a MuJoCo frame drawn in software takes tens of milliseconds (see `evaluate`), so
+# a recorded HalfCheetah episode adds about a minute to the run.
+
+
+def records_episode(index: int) -> bool:
+    """Whether episode `index` (from 0) of the recorded env is recorded: the cubes below 1,000, then every 1,000th."""
+    if index < 1000:
+        root = round(index ** (1 / 3))
+        return root ** 3 == index
+    return index % 1000 == 0
+
+
+class RecordedTask(Task):
+    """A `Task` that renders, and writes the episodes `records_episode` picks to
+    `<video_dir>/<prefix>-episodeNNNN.mp4`."""
+
+    def __init__(self, env_id: str, seed: int, max_episode_steps: int | None, obs: np.ndarray | None,
+                 video_dir: Path, prefix: str):
+        # pygame, which draws the classic-control tasks, needs no display or sound card for this.
+        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+        os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+        super().__init__(env_id, seed, max_episode_steps, obs=obs, render=True)
+        if uses_mujoco(env_id):
+            self.env.unwrapped.model.vis.quality.shadowsize = 1024  # as in `evaluate`
+        self.env_id, self.video_dir, self.prefix = env_id, video_dir, prefix
+        self.episodes = 0
+        self.video: Video | None = None
+
+    def reset(self) -> np.ndarray:
+        obs = super().reset()
+        if records_episode(self.episodes):
+            self.video_dir.mkdir(parents=True, exist_ok=True)
+            self.name = f"{self.prefix}-episode{self.episodes:04d}.mp4"
+            self.video = Video(self.video_dir / f".{self.name}", self.env.metadata.get("render_fps") or 30)
+            self.video.write(render_frame(self, self.env_id))
+        self.episodes += 1
+        return obs
+
+    def step(self, action: np.ndarray) -> Transition:
+        step = super().step(action)
+        if self.video is not None:
+            self.video.write(render_frame(self, self.env_id))
+            if step.terminated or step.truncated:
+                self.video.close()
+                os.replace(self.video.path, self.video_dir / self.name)
+                self.video = None
+        return step
+
+    def close(self) -> None:
+        """Close the env; the video of an episode cut short by the end of the run is dropped."""
+        if self.video is not None:
+            self.video.close()
+            self.video.path.unlink(missing_ok=True)
+        super().close()
+
+
+@dataclass
+class RecordingMaker:
+    """`Task` for the workers of a recorded run: the env whose seed is `seed` (the run's first) is a `RecordedTask`."""
+
+    seed: int
+    video_dir: Path
+    prefix: str
+
+    def __call__(self, env_id: str, seed: int, max_episode_steps: int | None = None,
+                 obs: np.ndarray | None = None) -> Task:
+        if int(seed) == self.seed:
+            return RecordedTask(env_id, seed, max_episode_steps, obs, self.video_dir, self.prefix)
+        return Task(env_id, seed, max_episode_steps, obs=obs)
+
+
+def task_maker(config: RunConfig, env_id: str, run_dir: Path, first_update: int) -> typing.Callable:
+    """What the workers make their envs with: `Task`, or with `--capture-video` a `RecordingMaker` for
+    the run's first env (the first of rank 0, whose seed is the first of `env_seeds`). The videos'
+    names hold the update their stretch of training started at, so a resumed run adds its own."""
+    if not config.capture_video:
+        return Task
+    return RecordingMaker(int(env_seeds(config.seed, 1, first_update)[0]), run_dir / "videos",
+                          f"train-{gym.spec(env_id).name}-from-update{first_update}")
+
+
+class TrainingVideos:
+    """The main process's side: each whole video of training, sent once to Weights & Biases."""
+
+    def __init__(self, video_dir: Path):
+        self.video_dir, self.sent = video_dir, set()
+
+    def send(self, tracking) -> None:
+        for path in sorted(self.video_dir.glob("train-*.mp4")):
+            if path not in self.sent:
+                tracking.log({"videos": import_wandb().Video(str(path), format="mp4")})
+                self.sent.add(path)
+
+
+# ### A trained policy in Python
+#
+# `load_policy` hands a checkpoint's agent to a program of your own: a notebook that watches it,
+# a fork's evaluation, a controller. The network learned on normalised observations, so the policy
+# carries the statistics its checkpoint froze, as `--eval` uses them.
+
+
+class Policy:
+    """A trained agent, ready to act: a checkpoint's policy network, its observation statistics
+    (frozen) and its task's action bounds.
+
+    `act` takes an observation as the task's env gives it (a vector, or a batch of them) and returns
+    an action inside the bounds, ready for `env.step`: sampled from the Gaussian, as in training and
+    `--eval`, or its mean with `deterministic=True`. `make_env` makes the checkpoint's task.
+    """
+
+    def __init__(self, network: GaussianPolicy, normalizer: ObservationNormalizer, config: Config, spaces: EnvSpaces,
+                 env_id: str, device: torch.device):
+        self.network, self.normalizer, self.config, self.spaces = network, normalizer, config, spaces
+        self.env_id, self.device = env_id, device
+
+    def make_env(self, **kwargs) -> gym.Env:
+        """The checkpoint's task with its time limit, made by `gym.make` with `kwargs` (`render_mode="human"`, say)."""
+        return gym.make(self.env_id, max_episode_steps=self.config.max_episode_steps, **kwargs)
+
+    @torch.inference_mode()
+    def act(self, observation: np.ndarray, deterministic: bool = False) -> np.ndarray:
+        """The action `[action_dim]` for one observation, or `[batch, action_dim]` for a batch."""
+        observation = np.asarray(observation, np.float64)
+        one = observation.ndim == 1
+        batch = torch.from_numpy(self.normalizer(observation[None] if one else observation)).to(self.device)
+        mean, std = self.network(batch)
+        actions = mean if deterministic else sample_actions(mean, std)
+        actions = np.clip(actions.cpu().numpy().astype(np.float64), self.spaces.action_low, self.spaces.action_high)
+        return actions[0] if one else actions
+
+
+def load_policy(path: str | Path, device: str = "cpu") -> Policy:
+    """The policy in a `checkpoint.pt` of this script, on `device`, ready to act (see `Policy`).
+
+    A path that is not such a checkpoint, or holds a diverged network, is a `ConfigError`.
+    """
+    checkpoint = load_checkpoint(str(path))
+    config = Config(**{field.name: checkpoint["config"][field.name] for field in dataclasses.fields(Config)})
+    spaces = describe_env(checkpoint["env_id"])
+    network = make_networks(spaces, config)[0]
+    restore_networks({"policy": network}, checkpoint, str(path))
+    normalizer = ObservationNormalizer(spaces.obs_dim, enabled=config.normalize_observations)
+    normalizer.load_state_dict(checkpoint["obs_normalizer"])
+    return Policy(network.to(device).eval(), normalizer, config, spaces, checkpoint["env_id"], torch.device(device))
 
 
 # ### main

@@ -355,7 +355,9 @@ class Markdown:
                  "amsmath": math(True), "heading_open": rule(self._heading_open),
                  "heading_close": rule(lambda tokens, index, options, env: f"</{tokens[index].tag}>\n"),
                  "fence": rule(self._code_block), "code_block": rule(self._code_block),
-                 "link_open": rule(self._link_open), "image": rule(self._image)}
+                 "link_open": rule(self._link_open), "image": rule(self._image),
+                 "code_inline": rule(lambda tokens, index, options, env:
+                                     f"<code>{unbroken_words(html.escape(tokens[index].content))}</code>")}
         for name, function in rules.items():
             self.md.add_render_rule(name, function)
 
@@ -381,7 +383,7 @@ class Markdown:
             lexer = get_lexer_by_name(language, stripnl=False, ensurenl=False)
         except ClassNotFound:
             lexer = get_lexer_by_name("text", stripnl=False, ensurenl=False)
-        body = "\n".join(tokens_to_html(pygments.lex(token.content.rstrip("\n"), lexer)))
+        body = "\n".join(tokens_to_html(pygments.lex(token.content.rstrip("\n"), lexer), unbroken=True))
         return f'<pre class="block"><code>{body}</code></pre>\n'
 
     def _link_open(self, tokens, index, options, env) -> str:
@@ -421,11 +423,30 @@ def css_class(token_type) -> str:
     return pygments.token.STANDARD_TYPES[token_type]
 
 
-def tokens_to_html(tokens, where: str = "", first_line: int | None = None) -> list[str]:
+# A browser may break a line after any hyphen, and so in the middle of a flag (`--capture-` at the
+# end of one line, `video` on the next), which a reader then types as two words. In the prose's
+# commands, each word with a hyphen is kept whole; a long one may still break after a `/` or `=`.
+LONGEST_UNBROKEN = 40
+
+
+def unbroken_words(escaped: str) -> str:
+    """HTML text in which no word with a hyphen breaks at the hyphen (`<span class="nobr">`)."""
+    def whole(match: re.Match) -> str:
+        word = match.group()
+        if "-" not in word:
+            return word
+        pieces = re.findall(r"[^/=]*[/=]|[^/=]+$", word)
+        return "<wbr>".join(f'<span class="nobr">{piece}</span>' if "-" in piece and len(piece) <= LONGEST_UNBROKEN
+                            else piece for piece in pieces)
+    return re.sub(r"[^\s<>]+", whole, escaped)
+
+
+def tokens_to_html(tokens, where: str = "", first_line: int | None = None, unbroken: bool = False) -> list[str]:
     """Pygments tokens as HTML spans, one string per line of the text; neighbours of one kind share a span.
 
     Given `first_line`, the tokens are a script's: math in its comments is rendered, and an error
-    in it names `where` and the line. A code block quoted in prose is shown as it is.
+    in it names `where` and the line. A code block quoted in prose is shown as it is, with its
+    words unbroken at hyphens if `unbroken`.
     """
     lines: list[list[list]] = [[]]  # per line: [css class, is a comment, text]
     for token_type, value in tokens:
@@ -449,6 +470,7 @@ def tokens_to_html(tokens, where: str = "", first_line: int | None = None) -> li
                 inner = comment_with_math(text, place)
             else:
                 inner = html.escape(text, quote=False)
+                inner = unbroken_words(inner) if unbroken else inner
             spans.append(f'<span class="{name}">{inner}</span>' if name else inner)
         html_lines.append("".join(spans))
     return html_lines

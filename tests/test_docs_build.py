@@ -361,3 +361,30 @@ def test_check_finds_a_stale_figure_and_one_no_page_shows(tmp_path):
     assert "docs/figures/unused.png has no source" in result.stderr
     assert run_build(root).returncode == 0 and run_build(root, "--check").returncode == 0
     assert figure.read_bytes() == source.read_bytes() and not (root / "docs" / "figures" / "unused.png").exists()
+
+
+def test_a_command_in_the_prose_breaks_at_spaces_never_at_a_flags_hyphen(tmp_path):
+    page = page_for(tmp_path, '''
+        r"""Intro: run `python x.py --capture-video --run-dir runs/a-b` to record.
+
+        ```
+        python x.py --eval runs/<run>/checkpoint.pt --eval-episodes 2
+        XLA_FLAGS=--xla_force_host_platform_device_count=8 python x.py
+        ```
+        """
+        ''')
+    inline = page[page.index("<code>python x.py"):]
+    inline = inline[:inline.index("</code>")]
+    assert '<span class="nobr">--capture-video</span>' in inline
+    assert '<span class="nobr">--run-dir</span>' in inline
+    assert 'runs/<wbr><span class="nobr">a-b</span>' in inline  # a path may break after its slash
+    block = page[page.index('<pre class="block">'):]
+    block = block[:block.index("</pre>")]
+    assert '<span class="nobr">--eval-episodes</span>' in block
+    assert "&lt;run&gt;/checkpoint.pt" in re.sub(r"<(?!/?span|wbr)[^>]+>", "", block)
+    assert 'XLA_FLAGS=<wbr><span class="nobr">--xla_force_host_platform_device_count=</span>' in block
+    # What a reader copies is the command as written: the marks add no characters.
+    text = re.sub(r"<[^>]+>", "", inline).replace("&lt;", "<").replace("&gt;", ">")
+    assert text == "python x.py --capture-video --run-dir runs/a-b"
+    code_lines = re.sub(r"<[^>]+>", "", block).replace("&lt;", "<").replace("&gt;", ">")
+    assert "python x.py --eval runs/<run>/checkpoint.pt --eval-episodes 2" in code_lines

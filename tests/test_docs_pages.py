@@ -310,6 +310,21 @@ def test_every_figure_loads_says_what_it_shows_and_fits_its_column(opened, name,
         assert 0 < figure["width"] <= figure["room"] + 1, figure
     if name == "index.html":
         assert figures, "the README's results open with the learning curves"
+    if viewport is LAPTOP:
+        # Drawn near their own size (800 px), so that the legend's 8-point text can be read.
+        page_width = page.evaluate("() => [...document.images].map(i => [i.naturalWidth, i.getBoundingClientRect().width])")
+        assert all(shown >= 0.9 * natural for natural, shown in page_width), (name, page_width)
+
+
+@pytest.mark.parametrize("viewport", [LAPTOP, PHONE], ids=["laptop", "phone"])
+@pytest.mark.parametrize("name", PAGES + ["index.html"])
+def test_no_command_in_the_prose_breaks_in_the_middle_of_a_flag(opened, name, viewport):
+    page = opened(name, viewport).page
+    words = page.evaluate("""() => [...document.querySelectorAll('.prose code, .index code')]
+        .flatMap(c => [...c.querySelectorAll('.nobr')]).map(w => [w.textContent, w.getClientRects().length])""")
+    assert any(text.startswith("--") for text, _ in words), f"{name}: no flag in the prose"
+    broken = [text for text, lines in words if lines != 1]
+    assert not broken, f"{name}: broken across lines: {broken[:5]}"
 
 
 def test_the_folder_serves_as_a_static_site(browser):

@@ -161,7 +161,6 @@ def test_eval_plays_whole_games_and_writes_videos(trained, tmp_path):
     (["--total-timesteps", "100"], "less than one batch"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
-    (["--capture-video"], "use it with --eval"),
     (["--eval", "missing.pt"], "checkpoint missing.pt does not exist"),
     (["--eval", "a.pt", "--resume", "b.pt"], "cannot be used together"),
 ])

@@ -230,7 +230,6 @@ def test_no_opengl_at_all_names_what_to_install(monkeypatch):
     (["--total-timesteps", "100"], "less than one batch"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
-    (["--capture-video"], "use it with --eval"),
     (["--eval", "missing.pt"], "checkpoint missing.pt does not exist"),
     (["--eval", "a.pt", "--resume", "b.pt"], "cannot be used together"),
 ])
@@ -285,8 +284,9 @@ def test_cuda_without_cuda_exits_2(tmp_path, capsys):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_trains_resumes_and_evaluates_on_the_gpu(tmp_path, capsys):
-    # The smoke run of the CPU on the GPU (`--device auto` picks it), then the checkpoint read back on both.
-    status, _, errors = run_main(capsys, *PENDULUM, "--run-dir", tmp_path)
+    # The smoke run of the CPU on the GPU (`--device cuda`; `auto` keeps the CPU even here, see
+    # `choose_device`), then the checkpoint read back on both.
+    status, _, errors = run_main(capsys, *PENDULUM, "--device", "cuda", "--run-dir", tmp_path)
     assert status == 0 and "Pendulum-v1: training on cuda:0" in errors, errors
     checkpoint = tmp_path / "checkpoint.pt"
     status, _, errors = run_main(capsys, "--resume", checkpoint, "--total-timesteps", 8192, "--device", "cpu",
