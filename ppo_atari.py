@@ -46,7 +46,8 @@ The page in order:
    from); the game (`Game`, made by `make_env`); the model (`ActorCritic`, built by `make_model`);
    the advantages (`compute_gae`, `normalize_advantages`); the clipped objective (`ppo_loss`); the
    rollout, the update and the loop of training (`Trainer`).
-2. **Sampling at speed**: `Workers`, many games in other processes, frames in shared memory.
+2. **Sampling at speed**: `Workers`, many games in other processes, frames in shared memory;
+   `DoubleBufferedTrainer`, which steps half of the games while the network chooses for the other half.
 3. **Running it for real**: the command line (`RunConfig`: `Config` and the settings of one
    invocation), the hardware choices (`TunedTrainer`), checkpoints, logging and progress, signals
    (`StopRequest`), the run (`train`), evaluation and video, `main()`.
@@ -1054,10 +1055,13 @@ class Workers:
 # step, the network chooses $B$'s actions, and the other way round.
 #
 # ```
-# network   choose A_t | choose B_t | wait A   | choose A_t+1 | wait B   | choose B_t+1 ...
-# workers A            | step A_t ----------------->          | step A_t+1 ------------->
-# workers B                         | step B_t ------------------------->  | step B_t+1 ...
+# network     choose A_t | choose B_t | choose A_t+1 | choose B_t+1 | choose A_t+2 ...
+# workers A              | step A_t   |              | step A_t+1   |
+# workers B              |            | step B_t     |              | step B_t+1
 # ```
+#
+# The network waits only for games still stepping when their turn comes (and the workers for a
+# network still choosing), so at best a step costs the larger of the two, not their sum.
 #
 # **The same rollout as Part 1's.** The games play the same steps whatever the order in which
 # the halves go, so only the network's numbers could differ, and they do not:
@@ -1069,6 +1073,10 @@ class Workers:
 # * A game's logits and value from half a batch are the bits it gets in the whole batch, on the
 #   CPUs we know, where the split falls on a multiple of 4 games (the default 8 games split 4 and 4;
 #   `tests/test_ppo_atari_sampling.py` checks it); elsewhere they can differ in the last bit.
+#
+# On CUDA the random numbers of two draws of half a batch are not those of one draw of the whole
+# (the generator moves on by a fixed amount per draw), so there a seed gives another rollout, as
+# likely as Part 1's.
 #
 # With 8 games the network takes two batches of 4 per step instead of one of 8; that costs a little
 # arithmetic on a CPU and nothing on a GPU, where a step's cost is its kernel launches.
@@ -1092,9 +1100,9 @@ class DoubleBufferedTrainer(Trainer):
     def choose_actions(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         r"""$a \sim \pi_\theta(\cdot|s)$ for each observation, with $\log \pi_\theta(a|s)$ and $V(s)$.
 
-        The action is $\arg\max_a \pi_\theta(a|s) / E_a$, $E_a \sim \mathrm{Exp}(1)$: the exponential
-        race, the same draw that `Categorical.sample()` makes (PyTorch's one-sample `multinomial`),
-        written out so that no check of the probabilities waits for the device.
+        The action is the $a$ of the largest $\pi_\theta(a|s) / E_a$, with $E_a \sim \mathrm{Exp}(1)$:
+        the exponential race, the draw that `Categorical.sample()` makes (PyTorch's one-sample
+        `multinomial`), written out so that no check of the probabilities waits for the device.
         """
         logits, values = self.model(obs)
         policy = Categorical(logits=logits, validate_args=False)
@@ -1362,8 +1370,10 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None]:
 #
 # The only choices in this script that depend on the machine rather than on the algorithm, made
 # here and applied by extending Part 1's classes: where the network runs, the memory layout of the
-# frames, the arithmetic of the torso, how frames reach a GPU, and on how many threads the network
-# samples. None of them changes what is computed beyond the rounding of floating point.
+# frames, the arithmetic of the torso, how frames reach a GPU, on how many threads the network
+# samples, whether it samples double-buffered (Part 2), and whether a CUDA graph chooses the
+# actions. None of them changes what is computed beyond the rounding of floating point, but for
+# the random draws of double-buffered sampling on CUDA (see Part 2).
 
 
 def choose_device(requested: str, local_rank: int = 0) -> torch.device:
@@ -1447,9 +1457,10 @@ class TunedActorCritic(ActorCritic):
 class TunedTrainer(DoubleBufferedTrainer):
     """Part 1's `Trainer` with this machine's choices; the algorithm is untouched.
 
-    It samples double-buffered (Part 2): on by default everywhere, since the games and the network
-    then work at once, for the same rollout (`python benchmarks/throughput.py --sampling both`
-    measures it against Part 1's turns, on the same machine in one run).
+    It samples double-buffered (Part 2), on by default: the games and the network then work at
+    once, on the same rollout (on a CPU, bit for bit). `python benchmarks/throughput.py --part train
+    --sampling both` measures it against Part 1's turns in one run; `double_buffered = False` takes
+    those back.
 
     * The network is a `TunedActorCritic`, in the precision that `config.precision` asks for.
     * Frames are stored channels-last, the layout the network reads, so minibatches need no
