@@ -2011,7 +2011,7 @@ def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: Wo
 
     timings = {"env": 0.0, "sampling": 0.0, "update": 0.0}
     time_calls(envs, "step", timings, "env")
-    time_calls(envs, "step_wait", timings, "env")  # the games of double-buffered sampling, each half
+    time_calls(envs, "step_wait", timings, "env")  # double-buffered sampling: the waits for each half
     if ranks.size == 1:
         stop_between_steps(envs, stop)
         trainer = TunedTrainer(config, envs, device)
