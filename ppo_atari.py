@@ -1533,7 +1533,7 @@ class TunedTrainer(DoubleBufferedTrainer):
         return outputs
 
     def collect_rollout(self) -> Rollout:
-        """Part 1's sampling; on a CPU, with the network on one thread.
+        """Part 2's sampling (Part 1's with `double_buffered` false); on a CPU, with the network on one thread.
 
         A batch of 8 frames gains little from more, and the threads of a parallel section keep
         spinning for a while after it ends, on the very cores the workers need to step their games
