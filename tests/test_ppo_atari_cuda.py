@@ -8,6 +8,7 @@ GPU runs of the other two scripts are beside their CPU tests, in their own `*_cl
 
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -109,6 +110,8 @@ def test_actions_chosen_by_a_cuda_graph_follow_the_frames_and_the_weights():
 def test_a_double_buffered_rollout_on_cuda_holds_the_frames_each_action_was_chosen_from(breakout_id, cuda_graph):
     # The halves' frames reach the GPU through their rows of the pinned buffer, asynchronously:
     # replaying the stored actions in games of this process must meet the stored frames, step by step.
+    # And the host waits for the GPU only to copy each half's actions back (and to store the
+    # rewards and episode ends once per rollout): counted in the second rollout, once any graph is captured.
     num_envs, seed = 4, 3
     config = ppo_atari.RunConfig(env=breakout_id, num_envs=num_envs, num_steps=64, num_minibatches=2,
                                  total_timesteps=512, precision="fp32")
@@ -117,10 +120,18 @@ def test_a_double_buffered_rollout_on_cuda_holds_the_frames_each_action_was_chos
     with ppo_atari.Workers(breakout_id, num_envs, 2, seed, OPTIONS) as workers:
         trainer = ppo_atari.TunedTrainer(config, workers, torch.device("cuda"))
         trainer.cuda_graph = cuda_graph
-        for _ in range(2):
-            rollout = trainer.collect_rollout()
+        for index in range(2):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn" if index == 1 else "default")
+                try:
+                    rollout = trainer.collect_rollout()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
             played.append(ppo_atari.Rollout(*(tensor.cpu() for tensor in rollout)))
             trainer.update_policy(rollout)
+    syncs = [w for w in caught if "synchronizing" in str(w.message)]
+    assert 2 * config.num_steps <= len(syncs) <= 2 * config.num_steps + 4, [str(w.message) for w in syncs[:3]]
     assert trainer.double_buffered and hasattr(trainer, "graphs") == cuda_graph
     reference = InProcessGames(breakout_id, num_envs, seed)
     frames = reference.reset()
