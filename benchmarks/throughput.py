@@ -177,6 +177,9 @@ def main() -> None:
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "both"], default="both")
     parser.add_argument("--sampling", choices=["double-buffered", "serial", "both"], default="double-buffered",
                         help="how the trainer samples (`both`: each, one after the other, in this run)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="training runs of each kind, taking turns with each other and with the workers alone; "
+                             "the medians are compared")
     parser.add_argument("--cuda-graph", action="store_true", help="choose actions on CUDA with a captured CUDA graph")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
@@ -198,15 +201,23 @@ def main() -> None:
             device = ppo_atari.choose_device(args.device)
             precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
             samplings = ["serial", "double-buffered"] if args.sampling == "both" else [args.sampling]
-            alone = workers_alone(env_id, num_envs, num_workers, args.steps)
             print(f"(b) training, {env_id}, {num_envs} games x 128 steps, {num_workers} workers, {device}"
-                  f"{', CUDA graph' if args.cuda_graph else ''}, median of {args.iterations} iterations")
-            print(f"    workers alone, random actions: {alone:6,.0f} SPS")
+                  f"{', CUDA graph' if args.cuda_graph else ''}, median of {args.iterations} iterations"
+                  f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''}")
             for precision in precisions:
+                # The kinds take turns, so that a noisy neighbour on a shared machine hits them alike.
+                alone, runs = [], {sampling: [] for sampling in samplings}
+                for _ in range(args.rounds):
+                    alone.append(workers_alone(env_id, num_envs, num_workers, args.steps))
+                    for sampling in samplings:
+                        runs[sampling].append(train_throughput(env_id, num_envs, num_workers, device, precision,
+                                                               args.iterations, args.warmup, sampling, args.cuda_graph))
+                alone_sps = statistics.median(alone)
+                print(f"    workers alone, random actions: {alone_sps:6,.0f} SPS")
                 for sampling in samplings:
-                    run = train_throughput(env_id, num_envs, num_workers, device, precision, args.iterations,
-                                           args.warmup, sampling, args.cuda_graph)
-                    run.update(workers_alone_sps=alone, of_workers_alone=run["sps"] / alone)
+                    run = sorted(runs[sampling], key=lambda run: run["sps"])[len(runs[sampling]) // 2]
+                    run.update(workers_alone_sps=alone_sps, of_workers_alone=run["sps"] / alone_sps,
+                               rounds_sps=[each["sps"] for each in runs[sampling]])
                     results["train"].append(run)
                     print(f"    {run['precision']}, {sampling:>15}: {run['sps']:6,.0f} SPS "
                           f"({run['of_workers_alone']:.2f} of the workers alone)"

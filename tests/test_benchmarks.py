@@ -23,7 +23,7 @@ def test_throughput_benchmark_runs(tmp_path):
     assert len({run["workers_alone_sps"] for run in results["train"]}) == 1
     for run in results["train"]:
         assert run["precision"] == "fp32" and run["num_envs"] == 4 and run["sps"] > 0 and run["workers_alone_sps"] > 0
-        assert run["of_workers_alone"] == run["sps"] / run["workers_alone_sps"]
+        assert run["of_workers_alone"] == run["sps"] / run["workers_alone_sps"] and run["rounds_sps"] == [run["sps"]]
         assert run["env_seconds"] > 0 and run["inference_seconds"] > 0
         assert run["env_seconds"] + run["inference_seconds"] + run["update_seconds"] <= run["seconds_per_iteration"] * 1.01
     assert "of the workers alone" in result.stdout
