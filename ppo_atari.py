@@ -1075,11 +1075,12 @@ class Workers:
 #   `tests/test_ppo_atari_sampling.py` checks it); elsewhere they can differ in the last bit.
 #
 # On CUDA the random numbers of two draws of half a batch are not those of one draw of the whole
-# (the generator moves on by a fixed amount per draw), so there a seed gives another rollout, as
-# likely as Part 1's.
+# (each draw starts at an offset of the generator's stream of its own), so there a seed gives
+# another rollout, as likely as Part 1's.
 #
-# With 8 games the network takes two batches of 4 per step instead of one of 8; that costs a little
-# arithmetic on a CPU and nothing on a GPU, where a step's cost is its kernel launches.
+# With 8 games the network takes two batches of 4 per step instead of one of 8: the same arithmetic
+# in smaller pieces, and on a GPU twice the kernel launches, which a CUDA graph makes one per half
+# (`TunedTrainer.choose_actions`).
 
 
 class DoubleBufferedTrainer(Trainer):
