@@ -46,7 +46,8 @@ The page in order:
    from); the game (`Game`, made by `make_env`); the model (`ActorCritic`, built by `make_model`);
    the advantages (`compute_gae`, `normalize_advantages`); the clipped objective (`ppo_loss`); the
    rollout, the update and the loop of training (`Trainer`).
-2. **Sampling at speed**: `Workers`, many games in other processes, frames in shared memory.
+2. **Sampling at speed**: `Workers`, many games in other processes, frames in shared memory;
+   `DoubleBufferedTrainer`, which steps half of the games while the network chooses for the other half.
 3. **Running it for real**: the command line (`RunConfig`: `Config` and the settings of one
    invocation), the hardware choices (`TunedTrainer`), checkpoints, logging and progress, signals
    (`StopRequest`), the run (`train`), evaluation and video, a trained policy in Python (`load_policy`), `main()`.
@@ -702,7 +703,11 @@ class Trainer:
             self.finished_games += step.finished_games
             self.observe(step.obs)
         self.global_step += self.steps_per_update
+        return self.bootstrap(truncations)
 
+    def bootstrap(self, truncations: list[tuple[int, int, torch.Tensor]]) -> Rollout:
+        """The rollout just played, with its `next_values`; `truncations` holds `(step, game, final
+        observation)` for each game truncated in it."""
         # $V(s_{t+1})$ for every step: the next stored value, the value after the rollout for the
         # last step, and the value of the final observation where a game was truncated.
         self.next_values[:-1] = self.values[1:]
@@ -849,7 +854,8 @@ def run_worker(connection: Connection, make_env, env_id: str, seeds: np.ndarray,
     """The loop of one worker process: it plays games `first_env, first_env + 1, ...`, made by `make_env`.
 
     It answers each command from the main process (`reset`, `step`, `close`) with `ok` once the
-    arrays of its games are written, or with `error` and its traceback.
+    arrays of its games are written, or with `error` and its traceback. `step FIRST STOP` steps
+    only its games `FIRST` to `STOP - 1`, counted from its own first (`Workers.step_async`).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cv2.setNumThreads(1)
@@ -863,10 +869,12 @@ def run_worker(connection: Connection, make_env, env_id: str, seeds: np.ndarray,
             ready = wait_for_any([connection] + ([parent.sentinel] if parent is not None else []))
             if connection not in ready:
                 return  # the main process is gone: leave no orphan behind
-            command = connection.recv_bytes()
+            command, *bounds = connection.recv_bytes().split()
             if command == b"close":
                 return
-            for i, game in enumerate(games):
+            ours = range(*map(int, bounds)) if bounds else range(len(games))
+            for i in ours:
+                game = games[i]
                 if command == b"reset":
                     game.reset()
                     continue
@@ -894,7 +902,10 @@ class Workers:
     """`num_envs` games played by `num_workers` processes; the vector env of the trainer.
 
     `reset()` starts every game and returns the observations; `step(actions)` plays one step of
-    every game and returns a `VecStep`. Use it as a context manager, or call `close()`.
+    every game and returns a `VecStep`. `step_async(actions, games)` starts a step of some of the
+    games (a slice of them) and returns at once, and `step_wait(games)` waits for it: meanwhile the
+    main process is free, to choose the actions of the other games (`DoubleBufferedTrainer`). Use it
+    as a context manager, or call `close()`.
 
     The games are made by `make_env` (Part 1's, unless another is given; under `spawn` it must be a
     function of a module the workers can import). One game made here first tells the shape of the
@@ -914,6 +925,7 @@ class Workers:
         self.arrays = numpy_views(blocks)
         self.processes: list[mp.process.BaseProcess] = []
         self.connections: list[Connection] = []
+        self.games_of_worker: list[range] = []
         # Started with Ctrl-C ignored, so a Ctrl-C while they start (before they can ignore it
         # themselves) cannot reach them; the setting survives both fork and exec.
         in_main_thread = threading.current_thread() is threading.main_thread()
@@ -928,6 +940,7 @@ class Workers:
                 theirs.close()
                 self.processes.append(process)
                 self.connections.append(ours)
+                self.games_of_worker.append(range(int(envs[0]), int(envs[-1]) + 1))
         finally:
             if in_main_thread:
                 signal.signal(signal.SIGINT, previous)
@@ -943,23 +956,53 @@ class Workers:
         return self.arrays["obs"]
 
     def step(self, actions: np.ndarray) -> VecStep:
+        every = slice(0, self.num_envs)
+        self._start_step(actions, every)
+        return self._finish_step(every)
+
+    def step_async(self, actions: np.ndarray, games: slice) -> None:
+        """Start a step of games `games`, with `actions` (one for each of them), and return at once.
+        Its `step_wait` comes before the next step of the same games."""
+        self._start_step(actions, games)
+
+    def step_wait(self, games: slice) -> VecStep:
+        """The step of `games` that `step_async` started, once it is played: a `VecStep` of all the
+        games in which only the rows of `games` are new, and `finished_games` names only theirs."""
+        return self._finish_step(games)
+
+    def _commands(self, games: slice) -> dict[int, bytes]:
+        """The command to each worker that holds some of `games`: `step`, or `step FIRST STOP` for part of its games."""
+        commands = {}
+        for index, ours in enumerate(self.games_of_worker):
+            first, stop = max(games.start, ours.start), min(games.stop, ours.stop)
+            if first < stop:
+                whole = (first, stop) == (ours.start, ours.stop)
+                commands[index] = b"step" if whole else b"step %d %d" % (first - ours.start, stop - ours.start)
+        return commands
+
+    def _start_step(self, actions: np.ndarray, games: slice) -> None:
+        self.arrays["actions"][games] = actions
+        for index, command in self._commands(games).items():
+            self._send(command, [index])
+
+    def _finish_step(self, games: slice) -> VecStep:
+        self._receive(list(self._commands(games)))
         a = self.arrays
-        a["actions"][:] = actions
-        self._send(b"step")
-        self._receive()
-        finished = [(int(env), float(a["score"][env]), int(a["length"][env])) for env in np.flatnonzero(a["game_over"])]
+        finished = [(int(env), float(a["score"][env]), int(a["length"][env]))
+                    for env in games.start + np.flatnonzero(a["game_over"][games])]
         return VecStep(a["obs"], a["rewards"], a["terminated"], a["truncated"], a["final_obs"], finished)
 
-    def _send(self, command: bytes) -> None:
-        for index, connection in enumerate(self.connections):
+    def _send(self, command: bytes, workers: list[int] | None = None) -> None:
+        for index in range(len(self.connections)) if workers is None else workers:
             try:
-                connection.send_bytes(command)
+                self.connections[index].send_bytes(command)
             except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
                 raise self._death(index) from None
 
-    def _receive(self) -> None:
-        """Wait for every worker's `ok`."""
-        for index, connection in enumerate(self.connections):
+    def _receive(self, workers: list[int] | None = None) -> None:
+        """Wait for the `ok` of each of `workers` (all of them by default)."""
+        for index in range(len(self.connections)) if workers is None else workers:
+            connection = self.connections[index]
             try:
                 answer = connection.recv_bytes()
             except (EOFError, ConnectionResetError, OSError):
@@ -1001,6 +1044,113 @@ class Workers:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+# ### Double-buffered sampling
+#
+# Part 1's rollout takes turns: the network chooses actions for every game while the workers wait,
+# then the workers step every game while the network waits. `DoubleBufferedTrainer` splits the
+# games into two halves, $A$ and $B$, that take the turns in opposite phase, as Sample Factory's
+# double-buffered sampling does (Petrenko et al., 2020, arXiv:2006.11751): while $A$'s workers
+# step, the network chooses $B$'s actions, and the other way round.
+#
+# ```
+# network     choose A_t | choose B_t | choose A_t+1 | choose B_t+1 | choose A_t+2 ...
+# workers A              | step A_t   |              | step A_t+1   |
+# workers B              |            | step B_t     |              | step B_t+1
+# ```
+#
+# The network waits only for games still stepping when their turn comes (and the workers for a
+# network still choosing), so at best a step costs the larger of the two, not their sum.
+#
+# **The same rollout as Part 1's.** The games play the same steps whatever the order in which
+# the halves go, so only the network's numbers could differ, and they do not:
+#
+# * The actions are drawn at step $t$ for half $A$, then for half $B$, with the same random
+#   numbers in the same order as Part 1 draws them for the whole batch at once: one sample of a
+#   categorical is the largest of $\pi(a|s) / E_a$ with $E_a$ exponential, and the draws of
+#   $E$ for $A$'s rows then $B$'s are the draws for the whole batch, on the CPU.
+# * A game's logits and value from half a batch are the bits it gets in the whole batch, on the
+#   CPUs we know, where the split falls on a multiple of 4 games (the default 8 games split 4 and 4;
+#   `tests/test_ppo_atari_sampling.py` checks it); elsewhere they can differ in the last bit.
+#
+# On CUDA the random numbers of two draws of half a batch are not those of one draw of the whole
+# (each draw starts at an offset of the generator's stream of its own), so there a seed gives
+# another rollout, as likely as Part 1's.
+#
+# With 8 games the network takes two batches of 4 per step instead of one of 8: the same arithmetic
+# in smaller pieces, and on a GPU twice the kernel launches, which a CUDA graph makes one per half
+# (`TunedTrainer.choose_actions`).
+
+
+class DoubleBufferedTrainer(Trainer):
+    """Part 1's `Trainer`, sampling with the two halves of the games in opposite phase.
+
+    It needs games with `step_async` and `step_wait` (the `Workers`), and at least two of them;
+    with other games, or with `double_buffered` false, it samples as Part 1 does. Its actions are
+    copied to the host once per half-step and nothing else waits for the device: rewards and
+    episode ends gather on the host and reach the device once per rollout.
+    """
+
+    double_buffered = True
+
+    def observe_games(self, frames: np.ndarray, games: slice) -> None:
+        """Take the observations of `games` in `frames` (the rows of all games) as the next ones."""
+        self.next_obs[games].copy_(torch.from_numpy(frames[games]))
+
+    def choose_actions(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        r"""$a \sim \pi_\theta(\cdot|s)$ for each observation, with $\log \pi_\theta(a|s)$ and $V(s)$.
+
+        The action is the $a$ of the largest $\pi_\theta(a|s) / E_a$, with $E_a \sim \mathrm{Exp}(1)$:
+        the exponential race, the draw that `Categorical.sample()` makes (PyTorch's one-sample
+        `multinomial`), written out so that no check of the probabilities waits for the device.
+        """
+        logits, values = self.model(obs)
+        policy = Categorical(logits=logits, validate_args=False)
+        actions = policy.probs.div(torch.empty_like(policy.probs).exponential_()).argmax(-1)
+        return actions, policy.log_prob(actions), values
+
+    @torch.inference_mode()
+    def collect_rollout(self) -> Rollout:
+        """Play `num_steps` steps in every game, one half of them stepping while the network
+        chooses for the other."""
+        num_envs = self.envs.num_envs
+        if not (self.double_buffered and num_envs >= 2 and hasattr(self.envs, "step_async")):
+            return super().collect_rollout()
+        if self.needs_reset:
+            self.observe(self.envs.reset())
+            self.needs_reset = False
+        self.finished_games = []
+        truncations = []
+        shape = (self.config.num_steps, num_envs)
+        rewards, terminated, truncated = np.zeros(shape, np.float32), np.zeros(shape, bool), np.zeros(shape, bool)
+        halves = (slice(0, num_envs // 2), slice(num_envs // 2, num_envs))
+
+        def start_step(t: int, games: slice) -> None:
+            # As Part 1's step $t$, for the games of one half: store $s_t$, choose $a_t$, keep
+            # $\log \pi_\theta(a_t|s_t)$ and $V(s_t)$, and send the actions to the workers.
+            self.obs[t, games] = self.next_obs[games]
+            actions, log_probs, values = self.choose_actions(self.obs[t, games])
+            self.actions[t, games], self.log_probs[t, games], self.values[t, games] = actions, log_probs, values
+            self.envs.step_async(actions.cpu().numpy(), games)
+
+        for games in halves:
+            start_step(0, games)
+        for t in range(self.config.num_steps):
+            for games in halves:
+                step = self.envs.step_wait(games)
+                rewards[t, games], terminated[t, games] = step.rewards[games], step.terminated[games]
+                truncated[t, games] = step.truncated[games]
+                for env in games.start + np.flatnonzero(step.truncated[games]):
+                    truncations.append((t, int(env), torch.from_numpy(step.final_obs[env].copy())))
+                self.finished_games += step.finished_games
+                self.observe_games(step.obs, games)
+                if t + 1 < self.config.num_steps:
+                    start_step(t + 1, games)
+        for stored, gathered in ((self.rewards, rewards), (self.terminated, terminated), (self.truncated, truncated)):
+            stored.copy_(torch.from_numpy(gathered))
+        self.global_step += self.steps_per_update
+        return self.bootstrap(truncations)
 
 
 # ## Part 3: Running it for real
@@ -1220,8 +1370,10 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None]:
 #
 # The only choices in this script that depend on the machine rather than on the algorithm, made
 # here and applied by extending Part 1's classes: where the network runs, the memory layout of the
-# frames, the arithmetic of the torso, how frames reach a GPU, and on how many threads the network
-# samples. None of them changes what is computed beyond the rounding of floating point.
+# frames, the arithmetic of the torso, how frames reach a GPU, on how many threads the network
+# samples, whether it samples double-buffered (Part 2), and whether a CUDA graph chooses the
+# actions. None of them changes what is computed beyond the rounding of floating point, but for
+# the random draws of double-buffered sampling on CUDA (see Part 2).
 
 
 def choose_device(requested: str, local_rank: int = 0) -> torch.device:
@@ -1302,8 +1454,13 @@ class TunedActorCritic(ActorCritic):
         return hidden.float()
 
 
-class TunedTrainer(Trainer):
+class TunedTrainer(DoubleBufferedTrainer):
     """Part 1's `Trainer` with this machine's choices; the algorithm is untouched.
+
+    It samples double-buffered (Part 2), on by default: the games and the network then work at
+    once, on the same rollout (on a CPU, bit for bit). `python benchmarks/throughput.py --part train
+    --sampling both` measures it against Part 1's turns in one run; `double_buffered = False` takes
+    those back.
 
     * The network is a `TunedActorCritic`, in the precision that `config.precision` asks for.
     * Frames are stored channels-last, the layout the network reads, so minibatches need no
@@ -1312,7 +1469,11 @@ class TunedTrainer(Trainer):
     * On CUDA, frames go to the GPU through pinned (page-locked) memory, which the GPU's copy engine
       reads by itself, so the copy runs asynchronously; cuDNN and cuBLAS may use TF32.
     * On a CPU, the network samples on one thread (see `collect_rollout`).
+    * With `cuda_graph` set, the forward pass that chooses actions on CUDA is replayed from a
+      captured CUDA graph (see `choose_actions`). Off by default: no GPU has measured it faster yet.
     """
+
+    cuda_graph = False
 
     def __init__(self, config: RunConfig, envs, device: torch.device):
         if device.type == "cuda":
@@ -1335,8 +1496,44 @@ class TunedTrainer(Trainer):
             return super().observe(frames)
         self.next_obs.copy_(self.staging.copy_(torch.from_numpy(frames)), non_blocking=True)
 
+    def observe_games(self, frames: np.ndarray, games: slice) -> None:
+        if self.device.type != "cuda":
+            return super().observe_games(frames, games)
+        self.next_obs[games].copy_(self.staging[games].copy_(torch.from_numpy(frames[games])), non_blocking=True)
+
+    def choose_actions(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Part 2's choice of actions; with `cuda_graph` on CUDA, replayed from a CUDA graph.
+
+        Choosing the actions of 4 games is a few dozen small kernels, whose launches cost more on
+        a GPU than their work. A CUDA graph (`torch.cuda.CUDAGraph`) records them once, for each
+        batch size, and replays them with one launch: the observations are copied into the graph's
+        input, and its outputs, valid until the next replay, are returned. The graph reads the
+        model's parameters where they are, so it follows every update; its random draws advance
+        the CUDA generator as the eager ones do.
+        """
+        if not (self.cuda_graph and self.device.type == "cuda"):
+            return super().choose_actions(obs)
+        if not hasattr(self, "graphs"):
+            self.graphs: dict[int, tuple] = {}
+        if len(obs) not in self.graphs:
+            static_obs = obs.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):  # cuDNN picks its algorithms before the capture
+                    super().choose_actions(static_obs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outputs = super().choose_actions(static_obs)
+            self.graphs[len(obs)] = (graph, static_obs, outputs)
+        graph, static_obs, outputs = self.graphs[len(obs)]
+        static_obs.copy_(obs)
+        graph.replay()
+        return outputs
+
     def collect_rollout(self) -> Rollout:
-        """Part 1's sampling; on a CPU, with the network on one thread.
+        """Part 2's sampling (Part 1's with `double_buffered` false); on a CPU, with the network on one thread.
 
         A batch of 8 frames gains little from more, and the threads of a parallel section keep
         spinning for a while after it ends, on the very cores the workers need to step their games
@@ -1659,16 +1856,18 @@ class Stopped(Exception):
 
 
 def stop_between_steps(envs, stop: StopRequest) -> None:
-    """Make `envs.step` raise `Stopped` instead of stepping once a stop is requested, so that one
-    process stops within a rollout rather than after it."""
-    step = envs.step
+    """Make `envs.step` (and `envs.step_async`, which double-buffered sampling calls) raise `Stopped`
+    instead of stepping once a stop is requested, so that one process stops within a rollout
+    rather than after it."""
+    for name in [name for name in ("step", "step_async") if hasattr(envs, name)]:
+        step = getattr(envs, name)
 
-    def step_unless_stopped(actions: np.ndarray) -> VecStep:
-        if stop():
-            raise Stopped(stop.signal)
-        return step(actions)
+        def step_unless_stopped(*args, step=step):
+            if stop():
+                raise Stopped(stop.signal)
+            return step(*args)
 
-    envs.step = step_unless_stopped
+        setattr(envs, name, step_unless_stopped)
 
 
 # ### Updates that diverge
@@ -1813,6 +2012,7 @@ def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: Wo
 
     timings = {"env": 0.0, "sampling": 0.0, "update": 0.0}
     time_calls(envs, "step", timings, "env")
+    time_calls(envs, "step_wait", timings, "env")  # double-buffered sampling: the waits for each half
     if ranks.size == 1:
         stop_between_steps(envs, stop)
         trainer = TunedTrainer(config, envs, device)

@@ -5,13 +5,18 @@
     same preprocessing, both driven with random actions. The two alternate, `--repeats` times, and
     the medians are compared, so that a noisy neighbour on a shared machine hits both alike.
 
-(b) Training: agent steps per second of the real trainer with the default hyperparameters, with
-    the time of an iteration split into env stepping, inference (sampling actions and values, and
-    storing the rollout) and the update, for each precision asked for. The script's own code holds
-    no timer: its methods are timed from outside, with `ppo_atari.time_calls`, as a run times them.
+(b) Training: agent steps per second of the real trainer with the default hyperparameters, beside
+    the speed of its workers alone (the same `Workers`, stepped with random actions just before),
+    which training can at best reach. The time of an iteration is split into waiting for the games,
+    inference (choosing actions and values, and storing the rollout) and the update, for each
+    precision and each way of sampling asked for: `serial` is Part 1's turns, `double-buffered` the
+    two halves in opposite phase (where the games step while the network chooses, the wait is the
+    part of stepping that inference did not hide). The script's own code holds no timer: its
+    methods are timed from outside.
 
-    python benchmarks/throughput.py                   # both parts, Breakout, 8 games
-    python benchmarks/throughput.py --part train --num-envs 32 --device cuda
+    python benchmarks/throughput.py                   # both parts, Breakout, 8 and 32 games
+    python benchmarks/throughput.py --part train --device cuda --precision fp32
+    python benchmarks/throughput.py --part train --sampling both   # Part 1's turns against double buffering
 
 Timings are never asserted in tests; this script is where they are measured.
 """
@@ -35,6 +40,20 @@ import ppo_atari  # noqa: E402  (the script is the thing measured)
 
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def time_calls(owner, name: str, timings: dict[str, float], key: str) -> None:
+    """Add the seconds of each call of `owner.<name>` (this one object's) to `timings[key]`."""
+    method = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            timings[key] += time.perf_counter() - started
+
+    setattr(owner, name, timed)
 
 
 def time_steps(step, num_envs: int, n_actions: int, steps: int, rng: np.random.Generator) -> float:
@@ -94,21 +113,36 @@ def env_throughput(env_id: str, num_envs: int, num_workers: int, steps: int, rep
             "ratio": medians["workers"] / medians["vector_env"], "runs": runs}
 
 
+def workers_alone(env_id: str, num_envs: int, num_workers: int, steps: int) -> float:
+    """Agent steps per second of the `Workers` a run trains with, stepped with random actions."""
+    config = ppo_atari.Config()
+    rng = np.random.default_rng(0)
+    with ppo_atari.Workers(env_id, num_envs, num_workers, seed=1,
+                           game_options=ppo_atari.game_options(config)) as envs:
+        envs.reset()
+        time_steps(envs.step, num_envs, envs.n_actions, 100, rng)  # warm-up
+        return time_steps(envs.step, num_envs, envs.n_actions, steps, rng)
+
+
 def train_throughput(env_id: str, num_envs: int, num_workers: int, device: torch.device, precision: str,
-                     iterations: int, warmup: int) -> dict:
-    """Agent steps per second of the trainer a run uses (Part 3's `TunedTrainer`), and the time of
-    each iteration split into its phases. The phases are timed from outside, as a run times them:
-    stepping the games (the workers' `step`), sampling (`collect_rollout`, of which the rest is
-    inference and storing the rollout) and the update (`update_policy`)."""
+                     iterations: int, warmup: int, sampling: str = "double-buffered", cuda_graph: bool = False) -> dict:
+    """Agent steps per second of the trainer a run uses (Part 3's `TunedTrainer`), sampling as
+    `sampling` asks, and the time of each iteration split into its phases. The phases are timed
+    from outside: waiting for the games (the workers' `step`, or `step_wait` of each half),
+    sampling (`collect_rollout`, of which the rest is inference and storing the rollout) and the
+    update (`update_policy`)."""
     config = ppo_atari.RunConfig(env=env_id, num_envs=num_envs, precision=precision)
     torch.manual_seed(1)
     timings = {"env": 0.0, "sampling": 0.0, "update": 0.0}
     with ppo_atari.Workers(env_id, num_envs, num_workers, seed=1,
                            game_options=ppo_atari.game_options(config)) as envs:
-        ppo_atari.time_calls(envs, "step", timings, "env")
+        time_calls(envs, "step", timings, "env")
+        time_calls(envs, "step_wait", timings, "env")
         trainer = ppo_atari.TunedTrainer(config, envs, device)
-        ppo_atari.time_calls(trainer, "collect_rollout", timings, "sampling")
-        ppo_atari.time_calls(trainer, "update_policy", timings, "update")
+        trainer.double_buffered = sampling == "double-buffered"
+        trainer.cuda_graph = cuda_graph
+        time_calls(trainer, "collect_rollout", timings, "sampling")
+        time_calls(trainer, "update_policy", timings, "update")
         per_iteration, splits = [], []
         for iteration in range(warmup + iterations):
             before = dict(timings)
@@ -123,7 +157,8 @@ def train_throughput(env_id: str, num_envs: int, num_workers: int, device: torch
                                "update": spent["update"]})
     median_seconds = statistics.median(per_iteration)
     return {"device": str(device), "precision": "bf16" if trainer.model.bf16 else "fp32", "num_envs": num_envs,
-            "num_workers": num_workers, "sps": config.batch_size / median_seconds,
+            "num_workers": num_workers, "sampling": sampling, "cuda_graph": cuda_graph,
+            "sps": config.batch_size / median_seconds,
             "seconds_per_iteration": median_seconds,
             **{f"{k}_seconds": statistics.median(s[k] for s in splits) for k in splits[0]}}
 
@@ -132,7 +167,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", default="Breakout")
     parser.add_argument("--part", choices=["env", "train", "all"], default="all")
-    parser.add_argument("--num-envs", type=int, default=8)
+    parser.add_argument("--num-envs", type=int, nargs="+", default=[8, 32], help="games played at once; each is measured")
     parser.add_argument("--num-workers", type=int, default=0, help="0: one per CPU core, at most one per game")
     parser.add_argument("--steps", type=int, default=2000, help="env steps per timed env run")
     parser.add_argument("--repeats", type=int, default=5, help="timed env runs of each kind")
@@ -140,33 +175,55 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed training iterations first")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "both"], default="both")
+    parser.add_argument("--sampling", choices=["double-buffered", "serial", "both"], default="double-buffered",
+                        help="how the trainer samples (`both`: each, one after the other, in this run)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="training runs of each kind, taking turns with each other and with the workers alone; "
+                             "the medians are compared")
+    parser.add_argument("--cuda-graph", action="store_true", help="choose actions on CUDA with a captured CUDA graph")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
     env_id = ppo_atari.resolve_env_id(args.env)
-    num_workers = args.num_workers or min(args.num_envs, cpu_count())
-    results = {"cpu_count": cpu_count(), "torch": torch.__version__, "env_id": env_id}
-    if args.part in ("env", "all"):
-        env = env_throughput(env_id, args.num_envs, num_workers, args.steps, args.repeats)
-        results["env"] = env
-        print(f"(a) env only, {env_id}, {args.num_envs} games, {cpu_count()} cores, median of {args.repeats} runs "
-              f"of {args.steps} steps")
-        print(f"    ppo_atari Workers ({num_workers} processes):            {env['workers_sps']:8,.0f} agent steps/s")
-        print(f"    ale_py AtariVectorEnv (C++ threads):            {env['vector_env_sps']:8,.0f} agent steps/s")
-        print(f"    ale_py AtariVectorEnv, episodic_life=True:      {env['vector_env_episodic_life_sps']:8,.0f} agent steps/s")
-        print(f"    ratio, Workers / AtariVectorEnv (its fastest): {env['ratio']:.2f}")
-    if args.part in ("train", "all"):
-        device = ppo_atari.choose_device(args.device)
-        precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
-        results["train"] = []
-        print(f"(b) training, {env_id}, {args.num_envs} games x 128 steps, {num_workers} workers, {device}, "
-              f"median of {args.iterations} iterations")
-        for precision in precisions:
-            run = train_throughput(env_id, args.num_envs, num_workers, device, precision, args.iterations, args.warmup)
-            results["train"].append(run)
-            print(f"    {run['precision']}: {run['sps']:6,.0f} SPS | per iteration {run['seconds_per_iteration']:.3f} s"
-                  f" = env {run['env_seconds']:.3f} + inference {run['inference_seconds']:.3f}"
-                  f" + update {run['update_seconds']:.3f}")
+    results = {"cpu_count": cpu_count(), "torch": torch.__version__, "env_id": env_id, "env": [], "train": []}
+    for num_envs in args.num_envs:
+        num_workers = args.num_workers or min(num_envs, cpu_count())
+        if args.part in ("env", "all"):
+            env = env_throughput(env_id, num_envs, num_workers, args.steps, args.repeats)
+            results["env"].append(env)
+            print(f"(a) env only, {env_id}, {num_envs} games, {cpu_count()} cores, median of {args.repeats} runs "
+                  f"of {args.steps} steps")
+            print(f"    ppo_atari Workers ({num_workers} processes):            {env['workers_sps']:8,.0f} agent steps/s")
+            print(f"    ale_py AtariVectorEnv (C++ threads):            {env['vector_env_sps']:8,.0f} agent steps/s")
+            print(f"    ale_py AtariVectorEnv, episodic_life=True:      {env['vector_env_episodic_life_sps']:8,.0f} agent steps/s")
+            print(f"    ratio, Workers / AtariVectorEnv (its fastest): {env['ratio']:.2f}")
+        if args.part in ("train", "all"):
+            device = ppo_atari.choose_device(args.device)
+            precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
+            samplings = ["serial", "double-buffered"] if args.sampling == "both" else [args.sampling]
+            print(f"(b) training, {env_id}, {num_envs} games x 128 steps, {num_workers} workers, {device}"
+                  f"{', CUDA graph' if args.cuda_graph else ''}, median of {args.iterations} iterations"
+                  f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''}")
+            for precision in precisions:
+                # The kinds take turns, so that a noisy neighbour on a shared machine hits them alike.
+                alone, runs = [], {sampling: [] for sampling in samplings}
+                for _ in range(args.rounds):
+                    alone.append(workers_alone(env_id, num_envs, num_workers, args.steps))
+                    for sampling in samplings:
+                        runs[sampling].append(train_throughput(env_id, num_envs, num_workers, device, precision,
+                                                               args.iterations, args.warmup, sampling, args.cuda_graph))
+                alone_sps = statistics.median(alone)
+                print(f"    workers alone, random actions: {alone_sps:6,.0f} SPS")
+                for sampling in samplings:
+                    run = sorted(runs[sampling], key=lambda run: run["sps"])[len(runs[sampling]) // 2]
+                    run.update(workers_alone_sps=alone_sps, of_workers_alone=run["sps"] / alone_sps,
+                               rounds_sps=[each["sps"] for each in runs[sampling]])
+                    results["train"].append(run)
+                    print(f"    {run['precision']}, {sampling:>15}: {run['sps']:6,.0f} SPS "
+                          f"({run['of_workers_alone']:.2f} of the workers alone)"
+                          f" | per iteration {run['seconds_per_iteration']:.3f} s"
+                          f" = waiting for games {run['env_seconds']:.3f} + inference {run['inference_seconds']:.3f}"
+                          f" + update {run['update_seconds']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -12,13 +12,21 @@ def test_throughput_benchmark_runs(tmp_path):
     out = tmp_path / "throughput.json"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--steps", "30",
                              "--repeats", "1", "--iterations", "1", "--warmup", "0", "--precision", "fp32",
-                             "--num-envs", "4", "--json", str(out)], capture_output=True, text=True, timeout=300)
+                             "--num-envs", "4", "--sampling", "both", "--json", str(out)],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     results = json.loads(out.read_text())
-    assert results["env"]["workers_sps"] > 0 and results["env"]["vector_env_sps"] > 0
-    (run,) = results["train"]
-    assert run["precision"] == "fp32" and run["sps"] > 0
-    assert run["env_seconds"] + run["inference_seconds"] + run["update_seconds"] <= run["seconds_per_iteration"] * 1.01
+    (env,) = results["env"]
+    assert env["workers_sps"] > 0 and env["vector_env_sps"] > 0
+    # Both ways of sampling, each beside the workers alone, measured once in the same run.
+    assert [run["sampling"] for run in results["train"]] == ["serial", "double-buffered"]
+    assert len({run["workers_alone_sps"] for run in results["train"]}) == 1
+    for run in results["train"]:
+        assert run["precision"] == "fp32" and run["num_envs"] == 4 and run["sps"] > 0 and run["workers_alone_sps"] > 0
+        assert run["of_workers_alone"] == run["sps"] / run["workers_alone_sps"] and run["rounds_sps"] == [run["sps"]]
+        assert run["env_seconds"] > 0 and run["inference_seconds"] > 0
+        assert run["env_seconds"] + run["inference_seconds"] + run["update_seconds"] <= run["seconds_per_iteration"] * 1.01
+    assert "of the workers alone" in result.stdout
 
 
 def test_ppo_jax_speed_measures_ppo_atari_in_the_precision_asked_for():

@@ -1,13 +1,16 @@
 """ppo_atari.py on a CUDA GPU: the same update as on the CPU, `--device auto` picking the GPU,
-checkpoints that move between the two, the pinned staging of frames, and a NaN there (Ctrl-C on
-the GPU is in `test_ppo_atari_cli.py`, beside the CPU's).
+checkpoints that move between the two, the pinned staging of frames, double-buffered sampling with
+and without a CUDA graph, and a NaN there (Ctrl-C on the GPU is in `test_ppo_atari_cli.py`, beside
+the CPU's).
 
 Every test here needs a GPU and is skipped, by name, on a machine without one (CI has none); the
 GPU runs of the other two scripts are beside their CPU tests, in their own `*_cli.py` files."""
 
 import subprocess
 import sys
+import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +18,7 @@ import ppo_atari
 from conftest import ROOT
 from test_ppo_atari_learning import train_on_task
 from test_ppo_atari_model import ScriptedEnv, a_nan_stops_the_update, small_config
+from test_ppo_atari_workers import OPTIONS, InProcessGames
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -68,6 +72,76 @@ def test_frames_reach_the_gpu_through_pinned_memory_in_the_order_they_were_playe
     for t in range(config.num_steps):
         assert (stored[t] == t).all(), f"step {t}"
     assert (trainer.next_obs.cpu() == config.num_steps).all()
+
+
+def test_actions_chosen_by_a_cuda_graph_follow_the_frames_and_the_weights():
+    config = ppo_atari.RunConfig(**vars(small_config(num_envs=4)), precision="fp32")
+    torch.manual_seed(0)
+    trainer = ppo_atari.TunedTrainer(config, ScriptedEnv(num_envs=4), torch.device("cuda"))
+    trainer.cuda_graph = True
+    frames = [torch.randint(0, 256, (4, 4, 84, 84), dtype=torch.uint8, device="cuda") for _ in range(2)]
+
+    def check(obs):
+        with torch.inference_mode():
+            actions, log_probs, values = (output.clone() for output in trainer.choose_actions(obs))
+            logits, expected_values = trainer.model(obs)
+        torch.testing.assert_close(values, expected_values)
+        torch.testing.assert_close(log_probs, torch.log_softmax(logits, -1).gather(1, actions[:, None]).squeeze(1))
+        return values
+
+    first = [check(obs) for obs in frames]
+    assert not torch.equal(first[0], first[1])  # the graph reads each call's frames, not the first ones
+    assert len(trainer.graphs) == 1  # captured once, for batches of 4
+    with torch.no_grad():
+        for parameter in trainer.model.value.parameters():
+            parameter.add_(1.0)
+    assert not torch.equal(check(frames[0]), first[0])  # and the weights as they are now
+    # The actions are drawn afresh at each replay, from the policy's probabilities.
+    with torch.inference_mode():
+        probs = torch.softmax(trainer.model(frames[0])[0], -1)
+        counts = torch.zeros_like(probs)
+        for _ in range(2000):
+            actions = trainer.choose_actions(frames[0])[0]
+            counts[torch.arange(4, device="cuda"), actions] += 1
+    torch.testing.assert_close(counts / 2000, probs, atol=0.05, rtol=0)
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_a_double_buffered_rollout_on_cuda_holds_the_frames_each_action_was_chosen_from(breakout_id, cuda_graph):
+    # The halves' frames reach the GPU through their rows of the pinned buffer, asynchronously:
+    # replaying the stored actions in games of this process must meet the stored frames, step by step.
+    # And the host waits for the GPU only to copy each half's actions back (and to store the
+    # rewards and episode ends once per rollout): counted in the second rollout, once any graph is captured.
+    num_envs, seed = 4, 3
+    config = ppo_atari.RunConfig(env=breakout_id, num_envs=num_envs, num_steps=64, num_minibatches=2,
+                                 total_timesteps=512, precision="fp32")
+    torch.manual_seed(0)
+    played = []
+    with ppo_atari.Workers(breakout_id, num_envs, 2, seed, OPTIONS) as workers:
+        trainer = ppo_atari.TunedTrainer(config, workers, torch.device("cuda"))
+        trainer.cuda_graph = cuda_graph
+        for index in range(2):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn" if index == 1 else "default")
+                try:
+                    rollout = trainer.collect_rollout()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            played.append(ppo_atari.Rollout(*(tensor.cpu() for tensor in rollout)))
+            trainer.update_policy(rollout)
+    syncs = [w for w in caught if "synchronizing" in str(w.message)]
+    assert 2 * config.num_steps <= len(syncs) <= 2 * config.num_steps + 4, [str(w.message) for w in syncs[:3]]
+    assert trainer.double_buffered and hasattr(trainer, "graphs") == cuda_graph
+    reference = InProcessGames(breakout_id, num_envs, seed)
+    frames = reference.reset()
+    for rollout in played:
+        for t in range(config.num_steps):
+            np.testing.assert_array_equal(rollout.obs[t].numpy(), frames, err_msg=f"step {t}")
+            rows = reference.step(rollout.actions[t].numpy())
+            np.testing.assert_array_equal(rollout.rewards[t].numpy(), [step.reward for step, _, _ in rows])
+            np.testing.assert_array_equal(rollout.terminated[t].numpy(), [step.terminated for step, _, _ in rows])
+            frames = np.stack([obs for _, _, obs in rows])
 
 
 def test_a_nan_on_cuda_stops_the_update_and_names_it():
