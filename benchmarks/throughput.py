@@ -7,8 +7,8 @@
 
 (b) Training: agent steps per second of the real trainer with the default hyperparameters, with
     the time of an iteration split into env stepping, inference (sampling actions and values, and
-    storing the rollout) and the update, for each precision asked for. The script's own code holds
-    no timer: its methods are timed from outside, with `ppo_atari.time_calls`, as a run times them.
+    storing the rollout) and the update, for each precision asked for. Part 1's code holds no
+    timer: Part 3's `RunWorkers` and `RunTrainer` time its methods, as in a run.
 
     python benchmarks/throughput.py                   # both parts, Breakout, 8 games
     python benchmarks/throughput.py --part train --num-envs 32 --device cuda
@@ -96,28 +96,25 @@ def env_throughput(env_id: str, num_envs: int, num_workers: int, steps: int, rep
 
 def train_throughput(env_id: str, num_envs: int, num_workers: int, device: torch.device, precision: str,
                      iterations: int, warmup: int) -> dict:
-    """Agent steps per second of the trainer a run uses (Part 3's `TunedTrainer`), and the time of
-    each iteration split into its phases. The phases are timed from outside, as a run times them:
+    """Agent steps per second of the trainer a run uses (Part 3's `RunTrainer`), and the time of
+    each iteration split into its phases, as a run times them (`RunWorkers` and `RunTrainer`):
     stepping the games (the workers' `step`), sampling (`collect_rollout`, of which the rest is
     inference and storing the rollout) and the update (`update_policy`)."""
     config = ppo_atari.RunConfig(env=env_id, num_envs=num_envs, precision=precision)
     torch.manual_seed(1)
-    timings = {"env": 0.0, "sampling": 0.0, "update": 0.0}
-    with ppo_atari.Workers(env_id, num_envs, num_workers, seed=1,
-                           game_options=ppo_atari.game_options(config)) as envs:
-        ppo_atari.time_calls(envs, "step", timings, "env")
-        trainer = ppo_atari.TunedTrainer(config, envs, device)
-        ppo_atari.time_calls(trainer, "collect_rollout", timings, "sampling")
-        ppo_atari.time_calls(trainer, "update_policy", timings, "update")
+    with ppo_atari.RunWorkers(env_id, num_envs, num_workers, seed=1,
+                              game_options=ppo_atari.game_options(config)) as envs:
+        trainer = ppo_atari.RunTrainer(config, envs, device)
         per_iteration, splits = [], []
         for iteration in range(warmup + iterations):
-            before = dict(timings)
+            before = {**envs.seconds, **trainer.seconds}
             started = time.perf_counter()
             trainer.update_policy(trainer.collect_rollout())
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if iteration >= warmup:
                 per_iteration.append(time.perf_counter() - started)
+                timings = {**envs.seconds, **trainer.seconds}
                 spent = {phase: timings[phase] - before[phase] for phase in timings}
                 splits.append({"env": spent["env"], "inference": spent["sampling"] - spent["env"],
                                "update": spent["update"]})
