@@ -66,9 +66,10 @@ The page in order:
 2. **Sampling at speed**: `Workers`, many envs in other processes, observations in shared memory.
 3. **Running it for real**: the command line (`RunConfig`: `Config` and the settings of one
    invocation) and its validation, the hardware choices, checkpoints, logging and progress, signals
-   (`StopRequest`), the run (`train`), evaluation and video, and `main()`.
+   (`StopRequest`), the run (`train`, with `RunWorkers` and `RunTrainer`, the trainer that runs),
+   evaluation and video, and `main()`.
 4. **More than one device** (optional): data-parallel training under torchrun
-   (`DataParallelTrainer`, `Ranks`).
+   (`DataParallelTrainer`, `Ranks`; each rank trains with a `DataParallelRunTrainer`).
 
 Licence: MIT (see LICENSE in the repository this file comes from); copy it freely, keeping this line.
 """
@@ -1782,10 +1783,10 @@ class RunTrainer(Trainer):
             return super().collect_rollout()
 
     def update_policy(self, rollout: Rollout) -> dict[str, float]:
-        """The update of the classes before this one; if it leaves a weight (or its loss) NaN or
-        infinite, the weights, Adam's moments and the count of updates go back to what they were
-        before it, and it raises `NonFiniteError`, so that every checkpoint written after it holds
-        finite weights."""
+        """Part 1's update, as the class this one extends runs it. If it leaves a weight (or its loss)
+        NaN or infinite, the weights, Adam's moments and the count of updates go back to what they
+        were before it, and it raises `NonFiniteError`, so that every checkpoint written after it
+        holds finite weights."""
         parameters = [parameter for group in self.optimizer.param_groups for parameter in group["params"]]
         saved = [parameter.detach().clone() for parameter in parameters]
         saved_optimizer, update = copy.deepcopy(self.optimizer.state_dict()), self.update
@@ -2265,7 +2266,7 @@ def _main(argv: list[str] | None) -> int:
 #
 # ### Data-parallel training with torchrun
 #
-# This part is optional: without torchrun there is one rank, `train` builds Part 1's `Trainer`,
+# This part is optional: without torchrun there is one rank, `train` builds Part 3's `RunTrainer`,
 # every method of `Ranks` returns at once, and the script runs exactly as the parts above describe.
 #
 # `torchrun --nproc_per_node N vpg_continuous.py --env HalfCheetah-v5` starts N copies of this
