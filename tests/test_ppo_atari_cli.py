@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import ppo_atari
 from conftest import ROOT
-from processes import alive, children_of
 from torch_scripts import PPO_ATARI
 from videos import assert_plays
 
@@ -182,28 +180,9 @@ def test_damaged_and_foreign_checkpoints_exit_2(trained, tmp_path):
     one_line_error(run("--run-dir", run_dir), "already holds a checkpoint")
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
-def test_ctrl_c_saves_a_checkpoint_and_leaves_no_process(device, tmp_path):
-    process = subprocess.Popen([sys.executable, SCRIPT, "--total-timesteps", "10000000", "--device", device,
-                                "--run-dir", str(tmp_path)], stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        for line in process.stderr:
-            if f"training on {device}" in line:
-                break
-        time.sleep(3)
-        workers = children_of(process.pid)
-        assert len(workers) >= 1
-        process.send_signal(signal.SIGINT)
-        _, errors = process.communicate(timeout=60)
-    finally:
-        process.kill()
-    assert process.returncode == 130, errors
-    assert "stopped at update" in errors and "Traceback" not in errors
-    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    assert checkpoint["global_step"] == checkpoint["update"] * 1024
-    time.sleep(0.5)
-    assert not [pid for pid in workers if alive(pid)]
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ctrl_c_on_the_gpu_saves_a_checkpoint_and_leaves_no_process(tmp_path):
+    PPO_ATARI.ctrl_c_saves_a_checkpoint_and_leaves_no_process(tmp_path, "cuda")
 
 
 def test_a_checkpoint_that_lacks_a_field_exits_2(trained, tmp_path):

@@ -34,6 +34,10 @@ def test_cuda_without_cuda_exits_2(script, tmp_path, capsys):
                                            "--run-dir", tmp_path)[::2], "no CUDA device")
 
 
+def test_ctrl_c_saves_a_checkpoint_and_leaves_no_process(script, tmp_path):
+    script.ctrl_c_saves_a_checkpoint_and_leaves_no_process(tmp_path, "cpu")
+
+
 def test_a_nan_keeps_the_last_good_checkpoint(script, tmp_path, monkeypatch, capsys):
     real_update = script.module.Trainer.update_policy
 

@@ -2,10 +2,8 @@
 PyTorch scripts do alike is tested once, in `test_torch_scripts_cli.py`."""
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import cv2
@@ -15,7 +13,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import vpg_continuous as vpg
 from conftest import ROOT
-from processes import alive, children_of
 from torch_scripts import VPG_CONTINUOUS
 from videos import assert_plays
 
@@ -276,25 +273,3 @@ def test_trains_resumes_and_evaluates_on_the_gpu(tmp_path, capsys):
         status, out, errors = run_main(capsys, "--eval", tmp_path / "on-cpu" / "checkpoint.pt", "--eval-episodes", 2,
                                        "--device", device)
         assert status == 0 and "2 episodes" in out, errors
-
-
-def test_ctrl_c_saves_a_checkpoint_and_leaves_no_process(tmp_path):
-    process = subprocess.Popen([sys.executable, SCRIPT, "--run-dir", str(tmp_path)],
-                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        for line in process.stderr:
-            if "training on" in line:
-                break
-        time.sleep(3)
-        workers = children_of(process.pid)
-        assert len(workers) >= 1
-        process.send_signal(signal.SIGINT)
-        _, errors = process.communicate(timeout=60)
-    finally:
-        process.kill()
-    assert process.returncode == 130, errors
-    assert "stopped at update" in errors and "Traceback" not in errors
-    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    assert checkpoint["global_step"] == checkpoint["update"] * 8 * 32
-    time.sleep(0.5)
-    assert not [pid for pid in workers if alive(pid)]

@@ -5,13 +5,18 @@ A test file of both defines the fixture `script`, parametrised over `SCRIPTS`, s
 tests runs once for each script."""
 
 import dataclasses
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 import ppo_atari
 import vpg_continuous
+from processes import alive, children_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,6 +73,30 @@ class Script:
                                 lambda connection, make_env, *rest: real_worker(connection, failure, *rest))
         else:
             monkeypatch.setattr(vpg_continuous.Task, "__init__", lambda self, *args, **kwargs: failure(*args))
+
+
+    def ctrl_c_saves_a_checkpoint_and_leaves_no_process(self, tmp_path: Path, device: str) -> None:
+        """A run of the script's defaults on `device`, stopped by one Ctrl-C once it trains: it exits 130
+        with a checkpoint at the end of an update, and its workers are gone."""
+        process = subprocess.Popen([sys.executable, self.path, "--total-timesteps", "10000000", "--device", device,
+                                    "--run-dir", str(tmp_path)], stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            for line in process.stderr:
+                if f"training on {device}" in line:
+                    break
+            time.sleep(3)
+            workers = children_of(process.pid)
+            assert len(workers) >= 1
+            process.send_signal(signal.SIGINT)
+            _, errors = process.communicate(timeout=60)
+        finally:
+            process.kill()
+        assert process.returncode == 130, errors
+        assert "stopped at update" in errors and "Traceback" not in errors
+        checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+        assert checkpoint["global_step"] == checkpoint["update"] * self.module.Config().batch_size
+        time.sleep(0.5)
+        assert not [pid for pid in workers if alive(pid)]
 
 
 SCRIPTS = [
