@@ -787,6 +787,9 @@ class Trainer:
     # the budget of steps is spent. What a real run does after each update (logs, progress,
     # checkpoints) is Part 3's `after_update`; a loop of a student's own can be as short as
     # `Trainer(config, envs, device).train(print)`.
+    # A real run also times the two calls of the loop and undoes an update that diverges, in Part 3's
+    # `RunTrainer`, which overrides `collect_rollout` and `update_policy` by name: a fork that renames
+    # them renames them there too.
 
     def train(self, after_update: typing.Callable[[dict[str, float]], None] = lambda stats: None) -> None:
         """Update until `total_timesteps` agent steps are played, handing each update's statistics to `after_update`."""

@@ -944,6 +944,9 @@ class Trainer:
     # the budget of steps is spent. What a real run adds after each update, its logs and
     # checkpoints, comes in through `after_update` from Part 3; a student's own run can be as short
     # as `Trainer(config, envs, device).train(print)`.
+    # A real run also times the two calls of the loop and undoes an update that diverges, in Part 3's
+    # `RunTrainer`, which overrides `collect_rollout` and `update_policy` by name: a fork that renames
+    # them renames them there too.
 
     def train(self, after_update: typing.Callable[[dict], None] = lambda stats: None) -> None:
         """Update until `total_timesteps` env steps are played, handing each update's statistics to `after_update`."""
