@@ -38,38 +38,28 @@ def test_ctrl_c_saves_a_checkpoint_and_leaves_no_process(script, tmp_path):
     script.ctrl_c_saves_a_checkpoint_and_leaves_no_process(tmp_path, "cpu")
 
 
-def test_a_nan_keeps_the_last_good_checkpoint(script, tmp_path, monkeypatch, capsys):
-    real_update = script.module.Trainer.update_policy
+def test_a_run_trains_with_run_trainer_and_a_nan_keeps_the_last_good_checkpoint(script, tmp_path, monkeypatch,
+                                                                                 capsys):
+    module, trainers = script.module, []
+    real_update = module.Trainer.update_policy
 
     def update_that_fails_third(self, rollout):
+        trainers.append(self)
         if self.update == 2:
-            raise script.module.NonFiniteError("the loss or its gradient became nan at update 3; no step was taken")
+            raise module.NonFiniteError("the loss or its gradient became nan at update 3; no step was taken")
         return real_update(self, rollout)
 
-    monkeypatch.setattr(script.module.Trainer, "update_policy", update_that_fails_third)
+    monkeypatch.setattr(module.Trainer, "update_policy", update_that_fails_third)
     status, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 1024, "--checkpoint-every", 2,
                                         "--run-dir", tmp_path)
     assert status == 1
     assert "nan at update 3" in stderr and "the last good checkpoint is" in stderr
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] == 2
-
-
-def test_a_run_trains_with_the_classes_train_with_names_and_replaces_no_method(script, tmp_path, monkeypatch,
-                                                                               capsys):
     # Parts 3 and 4 extend Part 1 by subclass: what a run adds (the stop between steps, the timing,
     # the undoing of a diverged update) is in `RunWorkers` and `RunTrainer`, never a function
     # assigned to an object in place of its method, which a fork's rename would silently bypass.
-    module, trainers = script.module, []
-    real_train = module.Trainer.train
-
-    def train(self, after_update):
-        trainers.append(self)
-        return real_train(self, after_update)
-
-    monkeypatch.setattr(module.Trainer, "train", train)
-    status, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 256, "--run-dir", tmp_path)
-    assert status == 0, stderr
-    (trainer,) = trainers
+    trainer = trainers[0]
+    assert all(other is trainer for other in trainers)
     assert type(trainer) is module.RunTrainer and type(trainer.envs) is module.RunWorkers
     for owner in (trainer, trainer.envs):
         assert not [name for name in vars(owner) if callable(getattr(type(owner), name, None))], owner
