@@ -50,8 +50,10 @@ The page in order:
    `DoubleBufferedTrainer`, which steps half of the games while the network chooses for the other half.
 3. **Running it for real**: the command line (`RunConfig`: `Config` and the settings of one
    invocation), the hardware choices (`TunedTrainer`), checkpoints, logging and progress, signals
-   (`StopRequest`), the run (`train`), evaluation and video, a trained policy in Python (`load_policy`), `main()`.
-4. **More than one device**: data-parallel training under torchrun (`DataParallelTrainer`, `Ranks`).
+   (`StopRequest`), the run (`train`, with `RunWorkers` and `RunTrainer`, the trainer that runs),
+   evaluation and video, a trained policy in Python (`load_policy`), `main()`.
+4. **More than one device**: data-parallel training under torchrun (`DataParallelTrainer`, `Ranks`;
+   each rank trains with a `DataParallelRunTrainer`).
 
 Licence: MIT (see LICENSE in the repository this file comes from); copy it freely, keeping this line.
 """
@@ -790,6 +792,9 @@ class Trainer:
     # the budget of steps is spent. What a real run does after each update (logs, progress,
     # checkpoints) is Part 3's `after_update`; a loop of a student's own can be as short as
     # `Trainer(config, envs, device).train(print)`.
+    # A real run also times the two calls of the loop and undoes an update that diverges, in Part 3's
+    # `RunTrainer`, which overrides `collect_rollout` and `update_policy` by name: a fork that renames
+    # them renames them there too.
 
     def train(self, after_update: typing.Callable[[dict[str, float]], None] = lambda stats: None) -> None:
         """Update until `total_timesteps` agent steps are played, handing each update's statistics to `after_update`."""
@@ -896,6 +901,13 @@ def run_worker(connection: Connection, make_env, env_id: str, seeds: np.ndarray,
             connection.send_bytes(b"error " + traceback.format_exc().encode())
         except (OSError, ValueError):
             pass
+
+
+# `vpg_continuous.py` holds a near copy of `Workers`, `run_worker` and `shared_arrays`. They differ
+# where the environments do: here the games come from `make_env`, one of which tells the shape of
+# the frames and the number of actions, the observations travel as `uint8` and an episode's result
+# is the game's score; there each env is a `Task` whose spaces the caller gives, observations travel
+# as `float64`, and the envs are seeded anew from the update a run resumes at.
 
 
 class Workers:
@@ -1698,7 +1710,11 @@ def restore_model(model: nn.Module, checkpoint: dict, path: str) -> None:
 
 
 class Progress:
-    """One line on the terminal: steps done, speed, time left, recent scores."""
+    """One line on the terminal: steps done, speed, time left, recent scores.
+
+    The same text as `vpg_continuous.py`'s but for the words: the scores of games here, the returns
+    of episodes there.
+    """
 
     def __init__(self, total: int, start_step: int):
         self.total, self.start_step = total, start_step
@@ -1718,9 +1734,9 @@ class Progress:
         self.last_print = now
         sps = self.steps_per_second(step)
         left = (self.total - step) / sps if sps > 0 else float("inf")
-        score = f"{np.mean(self.scores):.1f} (last {len(self.scores)} games)" if self.scores else "-"
+        recent = f"{np.mean(self.scores):.1f} (last {len(self.scores)} games)" if self.scores else "-"
         line = (f"step {step:,}/{self.total:,} ({100 * step / self.total:.1f}%) | {sps:,.0f} SPS | "
-                f"{format_duration(left)} left | score {score}")
+                f"{format_duration(left)} left | score {recent}")
         end = "\n" if final or not self.interactive else ""
         print(("\r\033[K" if self.interactive else "") + line, end=end, file=sys.stderr, flush=True)
 
@@ -1743,22 +1759,15 @@ def default_run_dir(config: Config, env_id: str) -> Path:
     return Path("runs") / f"{gym.spec(env_id).name}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def time_calls(owner, name: str, timings: dict[str, float], key: str) -> None:
-    """Add the seconds that each call of `owner.<name>` takes to `timings[key]`.
-
-    It wraps the method of this one object, so the code it times holds no timer, whatever class
-    the object is (Part 1's `Trainer`, Part 3's or Part 4's, or the `Workers`).
-    """
-    method = getattr(owner, name)
-
-    def timed(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            timings[key] += time.perf_counter() - started
-
-    setattr(owner, name, timed)
+@contextlib.contextmanager
+def timer(seconds: dict[str, float], key: str):
+    """Add the seconds that the block takes to `seconds[key]`: the split of each update's time that
+    the log shows, counted by `RunWorkers` and `RunTrainer`, so that the code they time holds no timer."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[key] += time.perf_counter() - started
 
 
 def log_update(writer, step: int, stats: dict[str, float], finished_games: list, progress: Progress,
@@ -1855,19 +1864,34 @@ class Stopped(Exception):
         self.signal = signal_number
 
 
-def stop_between_steps(envs, stop: StopRequest) -> None:
-    """Make `envs.step` (and `envs.step_async`, which double-buffered sampling calls) raise `Stopped`
-    instead of stepping once a stop is requested, so that one process stops within a rollout
-    rather than after it."""
-    for name in [name for name in ("step", "step_async") if hasattr(envs, name)]:
-        step = getattr(envs, name)
+class RunWorkers(Workers):
+    """Part 2's `Workers` as a run steps them: the seconds spent waiting for the games are added to
+    `seconds["env"]` (each `step`, or each `step_wait` of a half under double-buffered sampling), and,
+    given a `stop`, a step raises `Stopped` instead of stepping once a stop is requested, so that one
+    process stops within a rollout rather than after it. (`train` gives several ranks no `stop`: each
+    finishes its rollout, and they stop together after the update.)"""
 
-        def step_unless_stopped(*args, step=step):
-            if stop():
-                raise Stopped(stop.signal)
-            return step(*args)
+    def __init__(self, *args, stop: StopRequest | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stop = stop
+        self.seconds = {"env": 0.0}
 
-        setattr(envs, name, step_unless_stopped)
+    def refuse_if_stopped(self) -> None:
+        if self.stop is not None and self.stop():
+            raise Stopped(self.stop.signal)
+
+    def step(self, actions: np.ndarray) -> VecStep:
+        self.refuse_if_stopped()
+        with timer(self.seconds, "env"):
+            return super().step(actions)
+
+    def step_async(self, actions: np.ndarray, games: slice) -> None:
+        self.refuse_if_stopped()
+        super().step_async(actions, games)
+
+    def step_wait(self, games: slice) -> VecStep:
+        with timer(self.seconds, "env"):
+            return super().step_wait(games)
 
 
 # ### Updates that diverge
@@ -1878,17 +1902,35 @@ def stop_between_steps(envs, stop: StopRequest) -> None:
 # loss was, the weights and Adam's moments go back to what they were before it and the run stops.
 
 
-def undo_non_finite_updates(trainer: Trainer) -> None:
-    """Make `trainer.update_policy` undo its update and raise `NonFiniteError` if the update leaves a
-    weight (or its loss) NaN or infinite, so that every checkpoint written after it holds finite weights."""
-    update_policy = trainer.update_policy
-    parameters = [parameter for group in trainer.optimizer.param_groups for parameter in group["params"]]
+class RunTrainer(TunedTrainer):
+    """The trainer of a run on one process: the class it extends, with each update all or nothing
+    (above), and the seconds of sampling and of updating added to `seconds`, for the log's split of
+    each update.
 
-    def update_or_undo(rollout: Rollout) -> dict[str, float]:
+    It overrides the two methods that Part 1's `train` calls, `collect_rollout` and `update_policy`;
+    a fork that renames or splits them in Part 1 does the same here. Part 4's `DataParallelRunTrainer`
+    is this class on several ranks.
+    """
+
+    def __init__(self, config: Config, envs, device: torch.device):
+        super().__init__(config, envs, device)
+        self.seconds = {"sampling": 0.0, "update": 0.0}
+
+    def collect_rollout(self) -> Rollout:
+        with timer(self.seconds, "sampling"):
+            return super().collect_rollout()
+
+    def update_policy(self, rollout: Rollout) -> dict[str, float]:
+        """Part 1's update, as the class this one extends runs it. If it leaves a weight (or its loss)
+        NaN or infinite, the weights, Adam's moments and the count of updates go back to what they
+        were before it, and it raises `NonFiniteError`, so that every checkpoint written after it
+        holds finite weights."""
+        parameters = [parameter for group in self.optimizer.param_groups for parameter in group["params"]]
         saved = [parameter.detach().clone() for parameter in parameters]
-        saved_optimizer, update = copy.deepcopy(trainer.optimizer.state_dict()), trainer.update
+        saved_optimizer, update = copy.deepcopy(self.optimizer.state_dict()), self.update
         try:
-            stats = update_policy(rollout)
+            with timer(self.seconds, "update"):
+                stats = super().update_policy(rollout)
             if all(torch.isfinite(parameter).all() for parameter in parameters):
                 return stats
             error = NonFiniteError(f"the weights became NaN or infinite in update {update + 1}")
@@ -1897,11 +1939,9 @@ def undo_non_finite_updates(trainer: Trainer) -> None:
         with torch.no_grad():
             for parameter, value in zip(parameters, saved):
                 parameter.copy_(value)
-        trainer.optimizer.load_state_dict(saved_optimizer)
-        trainer.update = update
+        self.optimizer.load_state_dict(saved_optimizer)
+        self.update = update
         raise NonFiniteError(f"{error}; the update was undone")
-
-    trainer.update_policy = update_or_undo
 
 
 def aborted(why: str, checkpoint: Path | None) -> str:
@@ -1933,9 +1973,10 @@ def ignore_signal(signum: int, frame: object) -> None:
 
 # ### The run
 #
-# `train` makes the run's directory, workers, device and trainer, then runs Part 1's loop with
-# what a real run adds after each update: logs, progress, checkpoints, and a stop when asked. With
-# several ranks (Part 4) each rank runs it, and rank 0 alone writes (and locks the directory).
+# `train` makes the run's directory, the workers (`RunWorkers`), the device and the trainer, then
+# runs Part 1's loop with what a real run adds after each update: logs, progress, checkpoints, and a
+# stop when asked. The trainer is `RunTrainer`, above; with several ranks (Part 4) each rank runs
+# `train` with a `DataParallelRunTrainer`, and rank 0 alone writes (and locks the directory).
 #
 # What Ctrl-C does, in every phase. While the workers start, before training begins, it aborts
 # at once: nothing is trained yet. During training the first asks for a stop; the checkpoint is
@@ -1986,9 +2027,9 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
             with stop:
                 # The workers start before anything touches CUDA or starts a thread (TensorBoard's
                 # writer does), so that forking them is safe.
-                envs = Workers(env_id, config.num_envs, num_workers, config.seed, game_options(config), start_method,
-                               first_game=ranks.rank * config.num_envs,
-                               make_env=game_maker(config, env_id, run_dir, checkpoint))
+                envs = RunWorkers(env_id, config.num_envs, num_workers, config.seed, game_options(config), start_method,
+                                  first_game=ranks.rank * config.num_envs, stop=stop if ranks.size == 1 else None,
+                                  make_env=game_maker(config, env_id, run_dir, checkpoint))
                 try:
                     device = choose_device(config.device, ranks.local_rank)
                     ranks.start(device)
@@ -2005,22 +2046,21 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
             return abort.status
 
 
-def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: Workers, device: torch.device,
+def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: RunWorkers, device: torch.device,
                ranks: Ranks, run_dir: Path, num_workers: int, stop: StopRequest) -> int:
-    """The run of `train`, once the games and the device are ready."""
+    """The run of `train`, once the games and the device are ready.
+
+    `vpg_continuous.py` has a near copy, the same text but for the words of each script (games and
+    their scores here, envs and their returns there) and for what is this script's own: the first
+    line it prints names the torso's precision.
+    """
     from torch.utils.tensorboard import SummaryWriter
 
-    timings = {"env": 0.0, "sampling": 0.0, "update": 0.0}
-    time_calls(envs, "step", timings, "env")
-    time_calls(envs, "step_wait", timings, "env")  # double-buffered sampling: the waits for each half
+    # The trainer that runs: Part 3's `RunTrainer` in one process, Part 4's `DataParallelRunTrainer` on each rank.
     if ranks.size == 1:
-        stop_between_steps(envs, stop)
-        trainer = TunedTrainer(config, envs, device)
+        trainer = RunTrainer(config, envs, device)
     else:
-        trainer = TunedDataParallelTrainer(config, envs, device, ranks)
-    time_calls(trainer, "collect_rollout", timings, "sampling")
-    time_calls(trainer, "update_policy", timings, "update")
-    undo_non_finite_updates(trainer)
+        trainer = DataParallelRunTrainer(config, envs, device, ranks)
     if checkpoint is not None:
         restore_checkpoint(trainer, checkpoint, config.resume, ranks)
     checkpoint_path = run_dir / "checkpoint.pt"
@@ -2055,18 +2095,23 @@ def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: Wo
         if checkpoint is not None:
             print(f"resumed at step {trainer.global_step:,} (update {trainer.update}) from {config.resume}",
                   file=sys.stderr)
-    before = dict(timings)
+
+    def seconds_so_far() -> dict[str, float]:
+        return {**envs.seconds, **trainer.seconds}
+
+    before = seconds_so_far()
 
     def after_update(stats: dict[str, float]) -> None:
         """Log the update, stop if asked, and write a checkpoint every `checkpoint_every` updates."""
         finished_games = [game for games in ranks.gather(trainer.finished_games) for game in games]
         if ranks.is_main:
-            spent = {phase: seconds - before[phase] for phase, seconds in timings.items()}
+            # The rollout's time outside the workers' steps is inference (with the copies around it).
+            spent = {phase: seconds - before[phase] for phase, seconds in seconds_so_far().items()}
             seconds = {"env": spent["env"], "inference": spent["sampling"] - spent["env"], "update": spent["update"]}
             log_update(writer, trainer.global_step, stats, finished_games, progress, seconds)
         if tracking is not None and config.capture_video:
             videos.send(tracking)
-        before.update(timings)
+        before.update(seconds_so_far())
         stopped_by = ranks.largest(stop.signal or 0, device)
         if stopped_by:
             raise Stopped(stopped_by)
@@ -2090,9 +2135,9 @@ def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: Wo
             return 128 + stopped_by
         print(f"done: {trainer.global_step:,} steps; checkpoint in {checkpoint_path}", file=sys.stderr)
         return 0
-    # A worker fails while the games are stepped, before the update begins: the model is whole, so
-    # a single process saves it before reporting. (With several ranks the others cannot join in
-    # writing it; torchrun stops them, and the last checkpoint stays.)
+    # A worker fails while the games are stepped, before the update begins: the weights are whole,
+    # so a single process saves them before reporting. (With several ranks the others cannot join
+    # in writing it; torchrun stops them, and the last checkpoint stays.)
     except WorkerError as error:
         if ranks.size == 1:
             write_checkpoint()
@@ -2441,7 +2486,7 @@ def _main(argv: list[str] | None) -> int:
 # ### Data-parallel training with torchrun
 #
 # This part is optional: without torchrun there is one rank, `train` builds Part 3's
-# `TunedTrainer`, and the script runs exactly as the parts above describe.
+# `RunTrainer`, and the script runs exactly as the parts above describe.
 #
 # `torchrun --nproc_per_node N ppo_atari.py --env Breakout` starts N copies of this script, the
 # *ranks*; `torchrun --nnodes M --nproc_per_node N --rdzv-endpoint HOST:PORT ...` spreads them over
@@ -2637,9 +2682,14 @@ class DataParallelTrainer(Trainer):
         return {**stats, **dict(zip(measured, means.tolist()))}
 
 
-class TunedDataParallelTrainer(DataParallelTrainer, TunedTrainer):
-    """What each rank of a real run trains with: the ranks of this part on the hardware choices of
-    Part 3, both extensions of Part 1's `Trainer` at once."""
+class DataParallelRunTrainer(DataParallelTrainer, RunTrainer):
+    """What each rank of a real run trains with: the ranks of this part on Part 3's `RunTrainer`.
+
+    Its methods are looked up in this order: `DataParallelTrainer`, `RunTrainer`, `TunedTrainer`,
+    Part 1's `Trainer`. So the ranks' means of what an update measured are taken after `RunTrainer`
+    has timed the update and checked its weights, which are the same on every rank: all of them
+    undo a diverged update together.
+    """
 
 
 if __name__ == "__main__":

@@ -66,9 +66,10 @@ The page in order:
 2. **Sampling at speed**: `Workers`, many envs in other processes, observations in shared memory.
 3. **Running it for real**: the command line (`RunConfig`: `Config` and the settings of one
    invocation) and its validation, the hardware choices, checkpoints, logging and progress, signals
-   (`StopRequest`), the run (`train`), evaluation and video, a trained policy in Python (`load_policy`), and `main()`.
+   (`StopRequest`), the run (`train`, with `RunWorkers` and `RunTrainer`, the trainer that runs),
+   evaluation and video, a trained policy in Python (`load_policy`), and `main()`.
 4. **More than one device** (optional): data-parallel training under torchrun
-   (`DataParallelTrainer`, `Ranks`).
+   (`DataParallelTrainer`, `Ranks`; each rank trains with a `DataParallelRunTrainer`).
 
 Licence: MIT (see LICENSE in the repository this file comes from); copy it freely, keeping this line.
 """
@@ -943,6 +944,9 @@ class Trainer:
     # the budget of steps is spent. What a real run adds after each update, its logs and
     # checkpoints, comes in through `after_update` from Part 3; a student's own run can be as short
     # as `Trainer(config, envs, device).train(print)`.
+    # A real run also times the two calls of the loop and undoes an update that diverges, in Part 3's
+    # `RunTrainer`, which overrides `collect_rollout` and `update_policy` by name: a fork that renames
+    # them renames them there too.
 
     def train(self, after_update: typing.Callable[[dict], None] = lambda stats: None) -> None:
         """Update until `total_timesteps` env steps are played, handing each update's statistics to `after_update`."""
@@ -1056,6 +1060,13 @@ def run_worker(connection: Connection, env_id: str, seeds: np.ndarray, first_env
     finally:
         for task in tasks:
             task.close()
+
+
+# `ppo_atari.py` holds a near copy of `Workers`, `run_worker` and `shared_arrays`. They differ where
+# the environments do: here each env is a `Task` whose spaces the caller gives, observations travel
+# as `float64` and the envs are seeded anew from the update a run resumes at; there the games come
+# from `make_env`, one of which tells the shape of the frames and the number of actions, frames
+# travel as `uint8`, and an episode's result is the game's score.
 
 
 class Workers:
@@ -1574,7 +1585,11 @@ def restore_checkpoint(trainer: Trainer, checkpoint: dict, path: str = "(in memo
 
 
 class Progress:
-    """One line on the terminal: steps done, speed, time left, recent returns."""
+    """One line on the terminal: steps done, speed, time left, recent returns.
+
+    The same text as `ppo_atari.py`'s but for the words: the returns of episodes here, the scores
+    of games there.
+    """
 
     def __init__(self, total: int, start_step: int):
         self.total, self.start_step = total, start_step
@@ -1586,6 +1601,8 @@ class Progress:
         return (step - self.start_step) / max(time.perf_counter() - self.started, 1e-9)
 
     def show(self, step: int, final: bool = False) -> None:
+        """Redraw the line in place on a terminal. When stderr is a file, write a new line at most
+        every 10 seconds, and the final one, so that the log of a long run stays short."""
         now = time.perf_counter()
         if not (self.interactive or final or now - self.last_print >= 10.0):
             return
@@ -1617,22 +1634,15 @@ def default_run_dir(config: Config, env_id: str) -> Path:
     return Path("runs") / f"{gym.spec(env_id).name}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def time_calls(owner, name: str, timings: dict[str, float], key: str) -> None:
-    """Add the seconds that each call of `owner.<name>` takes to `timings[key]`.
-
-    It wraps the method of this one object, so the code it times holds no timer, whatever class
-    the object is (Part 1's `Trainer`, Part 4's, or the `Workers`).
-    """
-    method = getattr(owner, name)
-
-    def timed(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            timings[key] += time.perf_counter() - started
-
-    setattr(owner, name, timed)
+@contextlib.contextmanager
+def timer(seconds: dict[str, float], key: str):
+    """Add the seconds that the block takes to `seconds[key]`: the split of each update's time that
+    the log shows, counted by `RunWorkers` and `RunTrainer`, so that the code they time holds no timer."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[key] += time.perf_counter() - started
 
 
 # What `Trainer.update_policy` reports besides what it measured: the learning rates of the update.
@@ -1732,17 +1742,25 @@ class Stopped(Exception):
         self.signal = signal_number
 
 
-def stop_between_steps(envs, stop: StopRequest) -> None:
-    """Make `envs.step` raise `Stopped` instead of stepping once a stop is requested, so that one
-    process stops within a rollout rather than after it."""
-    step = envs.step
+class RunWorkers(Workers):
+    """Part 2's `Workers` as a run steps them: the seconds of each step are added to `seconds["env"]`,
+    and, given a `stop`, a step raises `Stopped` instead of stepping once a stop is requested, so that
+    one process stops within a rollout rather than after it. (`train` gives several ranks no `stop`:
+    each finishes its rollout, and they stop together after the update.)"""
 
-    def step_unless_stopped(actions: np.ndarray) -> VecStep:
-        if stop():
-            raise Stopped(stop.signal)
-        return step(actions)
+    def __init__(self, *args, stop: StopRequest | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stop = stop
+        self.seconds = {"env": 0.0}
 
-    envs.step = step_unless_stopped
+    def refuse_if_stopped(self) -> None:
+        if self.stop is not None and self.stop():
+            raise Stopped(self.stop.signal)
+
+    def step(self, actions: np.ndarray) -> VecStep:
+        self.refuse_if_stopped()
+        with timer(self.seconds, "env"):
+            return super().step(actions)
 
 
 # ### Updates that diverge
@@ -1753,17 +1771,35 @@ def stop_between_steps(envs, stop: StopRequest) -> None:
 # loss was, the weights and Adam's moments go back to what they were before it and the run stops.
 
 
-def undo_non_finite_updates(trainer: Trainer) -> None:
-    """Make `trainer.update_policy` undo its update and raise `NonFiniteError` if the update leaves a
-    weight (or its loss) NaN or infinite, so that every checkpoint written after it holds finite weights."""
-    update_policy = trainer.update_policy
-    parameters = [parameter for group in trainer.optimizer.param_groups for parameter in group["params"]]
+class RunTrainer(Trainer):
+    """The trainer of a run on one process: the class it extends, with each update all or nothing
+    (above), and the seconds of sampling and of updating added to `seconds`, for the log's split of
+    each update.
 
-    def update_or_undo(rollout: Rollout) -> dict[str, float]:
+    It overrides the two methods that Part 1's `train` calls, `collect_rollout` and `update_policy`;
+    a fork that renames or splits them in Part 1 does the same here. Part 4's `DataParallelRunTrainer`
+    is this class on several ranks.
+    """
+
+    def __init__(self, config: Config, envs, device: torch.device):
+        super().__init__(config, envs, device)
+        self.seconds = {"sampling": 0.0, "update": 0.0}
+
+    def collect_rollout(self) -> Rollout:
+        with timer(self.seconds, "sampling"):
+            return super().collect_rollout()
+
+    def update_policy(self, rollout: Rollout) -> dict[str, float]:
+        """Part 1's update, as the class this one extends runs it. If it leaves a weight (or its loss)
+        NaN or infinite, the weights, Adam's moments and the count of updates go back to what they
+        were before it, and it raises `NonFiniteError`, so that every checkpoint written after it
+        holds finite weights."""
+        parameters = [parameter for group in self.optimizer.param_groups for parameter in group["params"]]
         saved = [parameter.detach().clone() for parameter in parameters]
-        saved_optimizer, update = copy.deepcopy(trainer.optimizer.state_dict()), trainer.update
+        saved_optimizer, update = copy.deepcopy(self.optimizer.state_dict()), self.update
         try:
-            stats = update_policy(rollout)
+            with timer(self.seconds, "update"):
+                stats = super().update_policy(rollout)
             if all(torch.isfinite(parameter).all() for parameter in parameters):
                 return stats
             error = NonFiniteError(f"the weights became NaN or infinite in update {update + 1}")
@@ -1772,11 +1808,9 @@ def undo_non_finite_updates(trainer: Trainer) -> None:
         with torch.no_grad():
             for parameter, value in zip(parameters, saved):
                 parameter.copy_(value)
-        trainer.optimizer.load_state_dict(saved_optimizer)
-        trainer.update = update
+        self.optimizer.load_state_dict(saved_optimizer)
+        self.update = update
         raise NonFiniteError(f"{error}; the update was undone")
-
-    trainer.update_policy = update_or_undo
 
 
 def aborted(why: str, checkpoint: Path | None) -> str:
@@ -1808,9 +1842,10 @@ def ignore_signal(signum: int, frame: object) -> None:
 
 # ### The run
 #
-# `train` makes the run's directory, workers, device and trainer, then runs Part 1's loop with
-# what a real run adds after each update: logs, progress, checkpoints, and a stop when asked. With
-# several ranks (Part 4) each rank runs it, and rank 0 alone writes (and locks the directory).
+# `train` makes the run's directory, the workers (`RunWorkers`), the device and the trainer, then
+# runs Part 1's loop with what a real run adds after each update: logs, progress, checkpoints, and a
+# stop when asked. The trainer is `RunTrainer`, above; with several ranks (Part 4) each rank runs
+# `train` with a `DataParallelRunTrainer`, and rank 0 alone writes (and locks the directory).
 #
 # What Ctrl-C does, in every phase. While the workers start, before training begins, it aborts
 # at once: nothing is trained yet. During training the first asks for a stop; the checkpoint is
@@ -1855,9 +1890,10 @@ def train(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict | 
             with stop:
                 # The workers start before anything touches CUDA or starts a thread (TensorBoard's
                 # writer does), so that forking them is safe.
-                envs = Workers(env_id, config.num_envs, num_workers, config.seed, spaces, config.max_episode_steps,
-                               start_method, first_update, first_env=ranks.rank * config.num_envs,
-                               make_task=task_maker(config, env_id, run_dir, first_update))
+                envs = RunWorkers(env_id, config.num_envs, num_workers, config.seed, spaces, config.max_episode_steps,
+                                  start_method, first_update, first_env=ranks.rank * config.num_envs,
+                                  stop=stop if ranks.size == 1 else None,
+                                  make_task=task_maker(config, env_id, run_dir, first_update))
                 try:
                     device = choose_device(config.device, ranks.local_rank)
                     ranks.start(device)
@@ -1874,22 +1910,23 @@ def train(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict | 
             return abort.status
 
 
-def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: Workers, device: torch.device,
+def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: RunWorkers, device: torch.device,
                ranks: Ranks, run_dir: Path, num_workers: int, stop: StopRequest) -> int:
-    """The run of `train`, once the envs and the device are ready."""
+    """The run of `train`, once the envs and the device are ready.
+
+    `ppo_atari.py` has a near copy, the same text but for the words of each script (envs and their
+    returns here, games and their scores there) and for what is this script's own: the hardware
+    choices are applied here (there they are `TunedTrainer`'s), and the table of hyperparameters
+    has a row for the ranks.
+    """
     from torch.utils.tensorboard import SummaryWriter
 
     apply_hardware_choices(device)
-    timings = {"env": 0.0, "sampling": 0.0, "update": 0.0}
-    time_calls(envs, "step", timings, "env")
+    # The trainer that runs: Part 3's `RunTrainer` in one process, Part 4's `DataParallelRunTrainer` on each rank.
     if ranks.size == 1:
-        stop_between_steps(envs, stop)
-        trainer = Trainer(config, envs, device)
+        trainer = RunTrainer(config, envs, device)
     else:
-        trainer = DataParallelTrainer(config, envs, device, ranks)
-    time_calls(trainer, "collect_rollout", timings, "sampling")
-    time_calls(trainer, "update_policy", timings, "update")
-    undo_non_finite_updates(trainer)
+        trainer = DataParallelRunTrainer(config, envs, device, ranks)
     if checkpoint is not None:
         restore_checkpoint(trainer, checkpoint, config.resume, ranks)
     checkpoint_path = run_dir / "checkpoint.pt"
@@ -1923,19 +1960,23 @@ def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: Wo
         if checkpoint is not None:
             print(f"resumed at step {trainer.global_step:,} (update {trainer.update}) from {config.resume}",
                   file=sys.stderr)
-    before = dict(timings)
+
+    def seconds_so_far() -> dict[str, float]:
+        return {**envs.seconds, **trainer.seconds}
+
+    before = seconds_so_far()
 
     def after_update(stats: dict[str, float]) -> None:
         """Log the update, stop if asked, and write a checkpoint every `checkpoint_every` updates."""
         finished_episodes = [episode for episodes in ranks.gather(trainer.finished_episodes) for episode in episodes]
         if ranks.is_main:
-            # The rollout's time outside the envs' steps is the networks' (with the copies around them).
-            spent = {phase: seconds - before[phase] for phase, seconds in timings.items()}
+            # The rollout's time outside the workers' steps is inference (with the copies around it).
+            spent = {phase: seconds - before[phase] for phase, seconds in seconds_so_far().items()}
             seconds = {"env": spent["env"], "inference": spent["sampling"] - spent["env"], "update": spent["update"]}
             log_update(writer, trainer.global_step, stats, finished_episodes, progress, seconds)
         if tracking is not None and config.capture_video:
             videos.send(tracking)
-        before.update(timings)
+        before.update(seconds_so_far())
         stopped_by = ranks.largest(stop.signal or 0, device)
         if stopped_by:
             raise Stopped(stopped_by)
@@ -1959,7 +2000,7 @@ def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: Wo
             return 128 + stopped_by
         print(f"done: {trainer.global_step:,} steps; checkpoint in {checkpoint_path}", file=sys.stderr)
         return 0
-    # A worker fails while the envs are stepped, before the update begins: the networks are whole,
+    # A worker fails while the envs are stepped, before the update begins: the weights are whole,
     # so a single process saves them before reporting. (With several ranks the others cannot join
     # in writing it; torchrun stops them, and the last checkpoint stays.)
     except WorkerError as error:
@@ -2392,7 +2433,7 @@ def _main(argv: list[str] | None) -> int:
 #
 # ### Data-parallel training with torchrun
 #
-# This part is optional: without torchrun there is one rank, `train` builds Part 1's `Trainer`,
+# This part is optional: without torchrun there is one rank, `train` builds Part 3's `RunTrainer`,
 # every method of `Ranks` returns at once, and the script runs exactly as the parts above describe.
 #
 # `torchrun --nproc_per_node N vpg_continuous.py --env HalfCheetah-v5` starts N copies of this
@@ -2675,6 +2716,16 @@ class DataParallelTrainer(Trainer):
         measured = [name for name in stats if name not in SCHEDULED]
         means = self.ranks.mean(torch.tensor([stats[name] for name in measured], device=self.device))
         return {**stats, **dict(zip(measured, means.tolist()))}
+
+
+class DataParallelRunTrainer(DataParallelTrainer, RunTrainer):
+    """What each rank of a real run trains with: the ranks of this part on Part 3's `RunTrainer`.
+
+    Its methods are looked up in this order: `DataParallelTrainer`, `RunTrainer`, Part 1's
+    `Trainer`. So the ranks pool their statistics after `RunTrainer` has timed the rollout, and
+    average what an update measured after it has timed the update and checked its weights, which
+    are the same on every rank: all of them undo a diverged update together.
+    """
 
 
 if __name__ == "__main__":

@@ -125,22 +125,19 @@ def measure_atari(script: str, iterations: int, warmup: int) -> dict:
     env_id = module.resolve_env_id("Breakout")
     config = module.RunConfig(env=env_id, num_envs=8, precision=precision or "auto")
     num_workers = min(config.num_envs, len(os.sched_getaffinity(0)))
-    with module.Workers(env_id, config.num_envs, num_workers, 1, module.game_options(config)) as envs:
+    with module.RunWorkers(env_id, config.num_envs, num_workers, 1, module.game_options(config)) as envs:
         torch.manual_seed(1)
         device = module.choose_device("auto")
-        # The trainer a run uses; its phases are timed from outside, as ppo_atari.py times them.
-        timed = {"env": 0.0, "sampling": 0.0, "update": 0.0}
-        module.time_calls(envs, "step", timed, "env")
-        trainer = module.TunedTrainer(config, envs, device)
-        module.time_calls(trainer, "collect_rollout", timed, "sampling")
-        module.time_calls(trainer, "update_policy", timed, "update")
+        # The trainer a run uses, which times its phases as ppo_atari.py's log shows them.
+        trainer = module.RunTrainer(config, envs, device)
         per_iteration, splits = [], []
         for iteration in range(warmup + iterations):
-            before = dict(timed)
+            before = {**envs.seconds, **trainer.seconds}
             started = time.perf_counter()
             trainer.update_policy(trainer.collect_rollout())
             if iteration >= warmup:
                 per_iteration.append(time.perf_counter() - started)
+                timed = {**envs.seconds, **trainer.seconds}
                 splits.append({name: timed[name] - before[name] for name in timed})
     seconds = statistics.median(per_iteration)
     return {"script": script, "precision": "bf16" if trainer.model.bf16 else "fp32",

@@ -11,8 +11,8 @@
     inference (choosing actions and values, and storing the rollout) and the update, for each
     precision and each way of sampling asked for: `serial` is Part 1's turns, `double-buffered` the
     two halves in opposite phase (where the games step while the network chooses, the wait is the
-    part of stepping that inference did not hide). The script's own code holds no timer: its
-    methods are timed from outside.
+    part of stepping that inference did not hide). Part 1's code holds no timer: Part 3's
+    `RunWorkers` and `RunTrainer` time its methods, as in a run.
 
     python benchmarks/throughput.py                   # both parts, Breakout, 8 and 32 games
     python benchmarks/throughput.py --part train --device cuda --precision fp32
@@ -40,20 +40,6 @@ import ppo_atari  # noqa: E402  (the script is the thing measured)
 
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def time_calls(owner, name: str, timings: dict[str, float], key: str) -> None:
-    """Add the seconds of each call of `owner.<name>` (this one object's) to `timings[key]`."""
-    method = getattr(owner, name)
-
-    def timed(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            timings[key] += time.perf_counter() - started
-
-    setattr(owner, name, timed)
 
 
 def time_steps(step, num_envs: int, n_actions: int, steps: int, rng: np.random.Generator) -> float:
@@ -126,32 +112,28 @@ def workers_alone(env_id: str, num_envs: int, num_workers: int, steps: int) -> f
 
 def train_throughput(env_id: str, num_envs: int, num_workers: int, device: torch.device, precision: str,
                      iterations: int, warmup: int, sampling: str = "double-buffered", cuda_graph: bool = False) -> dict:
-    """Agent steps per second of the trainer a run uses (Part 3's `TunedTrainer`), sampling as
-    `sampling` asks, and the time of each iteration split into its phases. The phases are timed
-    from outside: waiting for the games (the workers' `step`, or `step_wait` of each half),
-    sampling (`collect_rollout`, of which the rest is inference and storing the rollout) and the
-    update (`update_policy`)."""
+    """Agent steps per second of the trainer a run uses (Part 3's `RunTrainer`), sampling as
+    `sampling` asks, and the time of each iteration split into its phases, as a run times them
+    (`RunWorkers` and `RunTrainer`): waiting for the games (the workers' `step`, or `step_wait` of
+    each half), sampling (`collect_rollout`, of which the rest is inference and storing the
+    rollout) and the update (`update_policy`)."""
     config = ppo_atari.RunConfig(env=env_id, num_envs=num_envs, precision=precision)
     torch.manual_seed(1)
-    timings = {"env": 0.0, "sampling": 0.0, "update": 0.0}
-    with ppo_atari.Workers(env_id, num_envs, num_workers, seed=1,
-                           game_options=ppo_atari.game_options(config)) as envs:
-        time_calls(envs, "step", timings, "env")
-        time_calls(envs, "step_wait", timings, "env")
-        trainer = ppo_atari.TunedTrainer(config, envs, device)
+    with ppo_atari.RunWorkers(env_id, num_envs, num_workers, seed=1,
+                              game_options=ppo_atari.game_options(config)) as envs:
+        trainer = ppo_atari.RunTrainer(config, envs, device)
         trainer.double_buffered = sampling == "double-buffered"
         trainer.cuda_graph = cuda_graph
-        time_calls(trainer, "collect_rollout", timings, "sampling")
-        time_calls(trainer, "update_policy", timings, "update")
         per_iteration, splits = [], []
         for iteration in range(warmup + iterations):
-            before = dict(timings)
+            before = {**envs.seconds, **trainer.seconds}
             started = time.perf_counter()
             trainer.update_policy(trainer.collect_rollout())
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if iteration >= warmup:
                 per_iteration.append(time.perf_counter() - started)
+                timings = {**envs.seconds, **trainer.seconds}
                 spent = {phase: timings[phase] - before[phase] for phase in timings}
                 splits.append({"env": spent["env"], "inference": spent["sampling"] - spent["env"],
                                "update": spent["update"]})

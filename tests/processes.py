@@ -2,8 +2,12 @@
 and a deadline so that a test fails instead of hanging. Read from Linux's /proc."""
 
 import contextlib
+import functools
+import os
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -72,3 +76,21 @@ def process_tree(pid: int) -> set[int]:
         tree |= new
         grew = bool(new)
     return tree
+
+
+def in_a_fresh_process(test):
+    """Run a test in a pytest process of its own. For a test that starts threads which a later
+    `fork` must not inherit: x264's encoder threads, once started in the test process, left a
+    ppo_atari worker forked afterwards dead at its first step."""
+
+    @functools.wraps(test)
+    def run_elsewhere(*args, **kwargs):
+        if os.environ.get("IN_A_FRESH_PROCESS") == "1":
+            return test(*args, **kwargs)
+        node_id = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node_id],
+                                cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
+                                env={**os.environ, "IN_A_FRESH_PROCESS": "1"}, timeout=600)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+    return run_elsewhere

@@ -1,11 +1,10 @@
-"""ppo_atari.py through its command line, as a user runs it."""
+"""ppo_atari.py through its command line, as a user runs it. What the command lines of both PyTorch
+scripts do alike is tested once, in `test_torch_scripts_cli.py`."""
 
-import dataclasses
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import ppo_atari
 from conftest import ROOT
-from processes import alive, children_of
+from torch_scripts import PPO_ATARI
 from videos import assert_plays
 
 SCRIPT = str(ROOT / "ppo_atari.py")
@@ -107,23 +106,7 @@ def test_a_checkpoint_without_recent_scores_still_resumes(trained, tmp_path):
     assert torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)["recent_scores"] == new_scores[-20:]
 
 
-# The settings of one invocation, with the defaults they had when they were fields of `Config`.
-INVOCATION_DEFAULTS = dict(num_workers=0, device="auto", precision="auto", start_method="default", run_dir=None,
-                           checkpoint_every=100, resume=None, eval=None, eval_episodes=10, capture_video=False,
-                           track=False, wandb_project_name="policy-gradients", wandb_entity=None)
-
-
-def test_config_holds_the_agent_and_run_config_adds_the_invocation():
-    agent = {field.name for field in dataclasses.fields(ppo_atari.Config)}
-    assert not agent & INVOCATION_DEFAULTS.keys()
-    assert issubclass(ppo_atari.RunConfig, ppo_atari.Config)
-    added = {field.name: field.default for field in dataclasses.fields(ppo_atari.RunConfig) if field.name not in agent}
-    assert added == INVOCATION_DEFAULTS and ppo_atari.RUN_OPTIONS == INVOCATION_DEFAULTS.keys()
-    # Every field of both is a flag, with its documentation as the help text.
-    helps = {action.dest: action.help for action in ppo_atari.build_parser()._actions}
-    docs = ppo_atari.field_docs(ppo_atari.RunConfig)
-    for field in dataclasses.fields(ppo_atari.RunConfig):
-        assert docs[field.name] and helps[field.name].startswith(docs[field.name]), field.name
+INVOCATION_DEFAULTS = PPO_ATARI.invocation
 
 
 def test_a_checkpoint_resumes_with_its_hyperparameters_and_this_invocations_settings(trained, tmp_path):
@@ -196,49 +179,9 @@ def test_damaged_and_foreign_checkpoints_exit_2(trained, tmp_path):
     one_line_error(run("--run-dir", run_dir), "already holds a checkpoint")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_cuda_without_cuda_exits_2(tmp_path):
-    one_line_error(run("--device", "cuda", "--run-dir", tmp_path, "--total-timesteps", 1024), "no CUDA device")
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
-def test_ctrl_c_saves_a_checkpoint_and_leaves_no_process(device, tmp_path):
-    process = subprocess.Popen([sys.executable, SCRIPT, "--total-timesteps", "10000000", "--device", device,
-                                "--run-dir", str(tmp_path)], stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        for line in process.stderr:
-            if f"training on {device}" in line:
-                break
-        time.sleep(3)
-        workers = children_of(process.pid)
-        assert len(workers) >= 1
-        process.send_signal(signal.SIGINT)
-        _, errors = process.communicate(timeout=60)
-    finally:
-        process.kill()
-    assert process.returncode == 130, errors
-    assert "stopped at update" in errors and "Traceback" not in errors
-    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    assert checkpoint["global_step"] == checkpoint["update"] * 1024
-    time.sleep(0.5)
-    assert not [pid for pid in workers if alive(pid)]
-
-
-def test_a_nan_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
-    real_update = ppo_atari.Trainer.update_policy
-
-    def update_that_fails_third(self, rollout):
-        if self.update == 2:
-            raise ppo_atari.NonFiniteError("the loss or its gradient became nan at update 3 (epoch 1); no step was taken")
-        return real_update(self, rollout)
-
-    monkeypatch.setattr(ppo_atari.Trainer, "update_policy", update_that_fails_third)
-    status = ppo_atari.main(["--total-timesteps", "8192", "--checkpoint-every", "2", "--run-dir", str(tmp_path),
-                             "--num-envs", "4", "--num-steps", "64"])
-    assert status == 1
-    assert "nan at update 3" in capsys.readouterr().err
-    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] == 2
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ctrl_c_on_the_gpu_saves_a_checkpoint_and_leaves_no_process(tmp_path):
+    PPO_ATARI.ctrl_c_saves_a_checkpoint_and_leaves_no_process(tmp_path, "cuda")
 
 
 def test_a_checkpoint_that_lacks_a_field_exits_2(trained, tmp_path):

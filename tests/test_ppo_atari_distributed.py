@@ -1,13 +1,12 @@
-"""ppo_atari.py past one device: data-parallel ranks (gloo on CPU), directly and under torchrun."""
+"""ppo_atari.py past one device: data-parallel ranks (gloo on CPU), directly and under torchrun. What the
+ranks of both PyTorch scripts do alike is tested once, in `test_torch_scripts_distributed.py`."""
 
-import json
 import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import pytest
@@ -57,19 +56,6 @@ def record_gradients(trainer) -> list[torch.Tensor]:
 
     trainer.optimizer.register_step_pre_hook(keep)
     return gradients
-
-
-def test_a_rank_exits_with_its_status_and_its_output_flushed():
-    # A rank skips the interpreter's shutdown (see `exit_process`), here an exit handler, but what
-    # it printed must still arrive.
-    program = ("import atexit, sys, ppo_atari; atexit.register(print, 'shut down'); "
-               "print('written', end=''); print('and this', end='', file=sys.stderr); "
-               "ppo_atari.exit_process(5, ranks=2)")
-    ended = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert (ended.returncode, ended.stdout, ended.stderr) == (5, "written", "and this")
-    with pytest.raises(SystemExit) as stopped:
-        ppo_atari.exit_process(3, ranks=1)  # one process exits as usual, through SystemExit
-    assert stopped.value.code == 3
 
 
 def start_ranks(target, folder: Path, *args) -> list:
@@ -149,46 +135,6 @@ def test_ranks_equal_one_process_on_the_combined_batch(two_ranks):
             assert abs(ours[name] - stats[name]) <= 1e-4 * scale, (update, name, ours[name], stats[name])
 
 
-def run_failing_rank(rank: int, port: int, out: str, dies_in: str) -> None:
-    """Rank 1 dies after one update, in the next rollout or the next update; rank 0 goes on and
-    writes down how it ended, then leaves at once, the moment at which an abort would come."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    trainer = ppo_atari.DataParallelTrainer(ppo_atari.Config(**CONFIG), RandomFrames(2, seed=rank),
-                                            torch.device("cpu"), ppo_atari.Ranks(size=2, rank=rank))
-    trainer.update_policy(trainer.collect_rollout())
-    if rank == 1:
-        if dies_in == "update":
-            trainer.collect_rollout()
-        os._exit(3)
-    try:
-        for _ in range(5):
-            trainer.update_policy(trainer.collect_rollout())
-        Path(out).write_text(json.dumps({"message": "went on without rank 1"}))
-    except ppo_atari.RankFailure as error:
-        # The failed operation's tensors must still be held here, by the kept error's frames.
-        kept = ppo_atari.FAILED_COLLECTIVES
-        frames = traceback.walk_tb(kept[0].__traceback__) if kept else []
-        tensors = sum(isinstance(value, torch.Tensor) for frame, _ in frames for value in frame.f_locals.values())
-        Path(out).write_text(json.dumps({"message": str(error), "kept": len(kept), "tensors": tensors}))
-
-
-@pytest.mark.parametrize("dies_in", ["rollout", "update"])
-def test_a_failed_rank_stops_the_other_with_one_line(tmp_path, dies_in):
-    processes = start_ranks(run_failing_rank, tmp_path, dies_in)
-    try:
-        for process in processes:
-            process.join(timeout=120)
-    finally:
-        for process in processes:
-            process.kill()
-    # -6 for rank 0 would be gloo's thread aborting the process as it shuts down (see FAILED_COLLECTIVES).
-    assert [process.exitcode for process in processes] == [0, 3]
-    report = json.loads((tmp_path / "rank0.pt").read_text())
-    message = report["message"]
-    assert message.startswith("rank 0: another rank failed or left (") and "\n" not in message, message
-    assert report["kept"] == 1 and report["tensors"] >= 1, report
-
-
 def torchrun(*args, **popen):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_port", str(free_port()), SCRIPT, "--num-envs", "2", "--num-steps", "32",
@@ -252,27 +198,3 @@ def test_a_failed_rank_brings_the_others_down(tmp_path):
     time.sleep(1)
     assert living(tree) == []
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] >= 1
-
-
-def test_ctrl_c_under_torchrun_saves_a_checkpoint(tmp_path):
-    # A terminal's Ctrl-C reaches every process of the foreground group, and torchrun passes it on
-    # to the ranks a second time: the ranks must take the two as one request and still save.
-    process = torchrun("--total-timesteps", 10_000_000, "--checkpoint-every", 1000, "--run-dir", tmp_path,
-                       start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        for line in process.stdout:
-            if "training on" in line:
-                break
-            assert time.monotonic() < deadline
-        time.sleep(5)
-        tree = process_tree(process.pid)
-        os.killpg(process.pid, signal.SIGINT)
-        output, _ = process.communicate(timeout=120)
-    finally:
-        process.kill()
-    assert "stopped at update" in output and "aborted" not in output, output
-    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    assert checkpoint["update"] >= 1 and checkpoint["global_step"] == checkpoint["update"] * 128
-    time.sleep(1)
-    assert living(tree) == []

@@ -148,11 +148,11 @@ def test_games_without_step_async_are_sampled_as_part_one_samples_them():
 
 
 def test_a_stop_request_ends_double_buffered_sampling_between_two_steps(breakout_id):
-    # A Ctrl-C during a rollout stops it at the next half-step, with the other half's step still
-    # under way in its worker; closing the workers then leaves no process behind.
+    # A Ctrl-C during a rollout stops a run's workers (Part 3's `RunWorkers`) at the next half-step,
+    # with the other half's step still under way in its worker; closing the workers then leaves no process behind.
     stop = ppo_atari.StopRequest(announce=False)
 
-    class StoppedAfterTen(ppo_atari.Workers):
+    class StoppedAfterTen(ppo_atari.RunWorkers):
         waited = 0
 
         def step_wait(self, games):
@@ -163,10 +163,9 @@ def test_a_stop_request_ends_double_buffered_sampling_between_two_steps(breakout
 
     config = ppo_atari.RunConfig(env=breakout_id, num_envs=4, num_steps=32, num_minibatches=2, total_timesteps=128)
     with deadline(60):
-        workers = StoppedAfterTen(breakout_id, 4, 2, 0, OPTIONS)
+        workers = StoppedAfterTen(breakout_id, 4, 2, 0, OPTIONS, stop=stop)
         pids = [process.pid for process in workers.processes]
         try:
-            ppo_atari.stop_between_steps(workers, stop)
             trainer = ppo_atari.TunedTrainer(config, workers, torch.device("cpu"))
             with pytest.raises(ppo_atari.Stopped) as stopped:
                 trainer.collect_rollout()

@@ -11,6 +11,7 @@ import pytest
 import ppo_atari
 import vpg_continuous as vpg
 from conftest import ROOT
+from processes import in_a_fresh_process
 from videos import assert_plays, h264_frames
 
 CUBES = [0, 1, 8, 27, 64, 125, 216, 343, 512, 729, 1000, 2000, 3000]
@@ -21,6 +22,7 @@ def test_the_schedule_is_the_cubes_to_1000_then_every_1000th(records):
     assert [index for index in range(3001) if records(index)] == CUBES
 
 
+@in_a_fresh_process
 def test_a_recorded_game_appears_whole_when_it_ends_and_only_the_scheduled_ones(tmp_path):
     options = {**ppo_atari.game_options(ppo_atari.Config()), "max_episode_frames": 200}
     game = ppo_atari.RecordedGame(ppo_atari.make_env("ALE/Breakout-v5", 3, options), tmp_path, "train-x", 15)
@@ -76,6 +78,7 @@ def test_vpg_records_its_first_env_while_training_and_a_resumed_run_adds_its_own
                      "train-Pendulum-from-update4-episode0000.mp4"]
 
 
+@in_a_fresh_process
 def test_an_episode_cut_short_by_the_end_of_the_run_leaves_no_file(tmp_path):
     task = vpg.RecordedTask("Pendulum-v1", 1, None, None, tmp_path, "train-x")
     task.reset()
@@ -114,8 +117,3 @@ def test_each_whole_video_is_sent_to_wandb_once(script, tmp_path, monkeypatch):
     assert tracking.logged == [{"videos": ("video", str(tmp_path / name), "mp4")}
                                for name in ["train-a-game0000.mp4", "train-a-game0001.mp4"]]
 
-
-def test_the_two_pytorch_scripts_hold_one_text_of_the_main_processs_side():
-    import inspect
-
-    assert inspect.getsource(ppo_atari.TrainingVideos) == inspect.getsource(vpg.TrainingVideos)

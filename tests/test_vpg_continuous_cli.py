@@ -1,11 +1,9 @@
-"""vpg_continuous.py through its command line, as a user runs it."""
+"""vpg_continuous.py through its command line, as a user runs it. What the command lines of both
+PyTorch scripts do alike is tested once, in `test_torch_scripts_cli.py`."""
 
-import dataclasses
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import cv2
@@ -15,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import vpg_continuous as vpg
 from conftest import ROOT
-from processes import alive, children_of
+from torch_scripts import VPG_CONTINUOUS
 from videos import assert_plays
 
 SCRIPT = str(ROOT / "vpg_continuous.py")
@@ -134,23 +132,7 @@ def test_a_checkpoint_without_recent_returns_still_resumes(trained, tmp_path):
     assert resumed["recent_returns"] == pytest.approx(new_returns[-20:])
 
 
-# The settings of one invocation, with the defaults they had when they were fields of `Config`.
-INVOCATION_DEFAULTS = dict(num_workers=0, device="auto", start_method="default", run_dir=None, checkpoint_every=100,
-                           resume=None, eval=None, eval_episodes=10, eval_deterministic=False, capture_video=False,
-                           track=False, wandb_project_name="policy-gradients", wandb_entity=None)
-
-
-def test_config_holds_the_agent_and_run_config_adds_the_invocation():
-    agent = {field.name for field in dataclasses.fields(vpg.Config)}
-    assert not agent & INVOCATION_DEFAULTS.keys()
-    assert issubclass(vpg.RunConfig, vpg.Config)
-    added = {field.name: field.default for field in dataclasses.fields(vpg.RunConfig) if field.name not in agent}
-    assert added == INVOCATION_DEFAULTS and vpg.RUN_OPTIONS == INVOCATION_DEFAULTS.keys()
-    # Every field of both is a flag, with its documentation as the help text.
-    helps = {action.dest: action.help for action in vpg.build_parser()._actions}
-    docs = vpg.field_docs(vpg.RunConfig)
-    for field in dataclasses.fields(vpg.RunConfig):
-        assert docs[field.name] and helps[field.name].startswith(docs[field.name].replace("%", "%%")), field.name
+INVOCATION_DEFAULTS = VPG_CONTINUOUS.invocation
 
 
 def test_a_checkpoint_resumes_with_its_hyperparameters_and_this_invocations_settings(trained, tmp_path):
@@ -277,11 +259,6 @@ def test_damaged_and_foreign_checkpoints_exit_2(trained, tmp_path, capsys):
     one_line_error(*run_main(capsys, *PENDULUM, "--run-dir", run_dir)[::2], "already holds a checkpoint")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_cuda_without_cuda_exits_2(tmp_path, capsys):
-    one_line_error(*run_main(capsys, *PENDULUM, "--device", "cuda", "--run-dir", tmp_path)[::2], "no CUDA device")
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_trains_resumes_and_evaluates_on_the_gpu(tmp_path, capsys):
     # The smoke run of the CPU on the GPU (`--device cuda`; `auto` keeps the CPU even here, see
@@ -296,44 +273,3 @@ def test_trains_resumes_and_evaluates_on_the_gpu(tmp_path, capsys):
         status, out, errors = run_main(capsys, "--eval", tmp_path / "on-cpu" / "checkpoint.pt", "--eval-episodes", 2,
                                        "--device", device)
         assert status == 0 and "2 episodes" in out, errors
-
-
-def test_ctrl_c_saves_a_checkpoint_and_leaves_no_process(tmp_path):
-    process = subprocess.Popen([sys.executable, SCRIPT, "--run-dir", str(tmp_path)],
-                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        for line in process.stderr:
-            if "training on" in line:
-                break
-        time.sleep(3)
-        workers = children_of(process.pid)
-        assert len(workers) >= 1
-        process.send_signal(signal.SIGINT)
-        _, errors = process.communicate(timeout=60)
-    finally:
-        process.kill()
-    assert process.returncode == 130, errors
-    assert "stopped at update" in errors and "Traceback" not in errors
-    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    assert checkpoint["global_step"] == checkpoint["update"] * 8 * 32
-    time.sleep(0.5)
-    assert not [pid for pid in workers if alive(pid)]
-
-
-def test_a_nan_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
-    real_update = vpg.Trainer.update_policy
-
-    def update_that_fails_third(self, rollout):
-        if self.update == 2:
-            raise vpg.NonFiniteError("the loss or its gradient became nan at update 3 (the policy-gradient step); "
-                                     "no step was taken")
-        return real_update(self, rollout)
-
-    monkeypatch.setattr(vpg.Trainer, "update_policy", update_that_fails_third)
-    status, _, stderr = run_main(capsys, "--env", "Pendulum-v1", "--total-timesteps", 1024, "--checkpoint-every", 2,
-                                 "--num-envs", 2, "--num-steps", 64, "--num-minibatches", 2, "--value-epochs", 1,
-                                 "--run-dir", tmp_path)
-    assert status == 1
-    assert "nan at update 3" in stderr and "the last good checkpoint is" in stderr
-    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] == 2
-

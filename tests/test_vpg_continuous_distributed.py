@@ -1,13 +1,9 @@
-"""vpg_continuous.py past one device: data-parallel ranks (gloo on CPU), directly and under torchrun."""
+"""vpg_continuous.py past one device: data-parallel ranks (gloo on CPU), directly and under torchrun.
+What the ranks of both PyTorch scripts do alike is tested once, in `test_torch_scripts_distributed.py`."""
 
-import json
 import multiprocessing as mp
-import os
-import signal
 import subprocess
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -18,42 +14,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import vpg_continuous as vpg
 from conftest import ROOT
-from processes import free_port, living, process_tree
-from vpg_continuous_helpers import statistics_with_the_prior
+from processes import free_port
+from vpg_continuous_helpers import DriftingTask, statistics_with_the_prior
 
 SCRIPT = str(ROOT / "vpg_continuous.py")
-
-
-class DriftingTask:
-    """A vector env from its own seed: observations on scales from 1 to 100 that drift away from 0,
-    random rewards and episode ends. It records what the trainer's running statistics should see."""
-
-    def __init__(self, num_envs: int, seed: int):
-        self.num_envs = num_envs
-        self.spaces = vpg.EnvSpaces(3, np.array([-1.0]), np.array([1.0]))
-        self.rng = np.random.default_rng(seed)
-        self.t = 0
-        self.observations, self.rewards, self.done = [], [], []
-
-    def _observe(self) -> np.ndarray:
-        obs = (self.rng.normal(size=(self.num_envs, 3)) + 0.1 * self.t) * np.array([1.0, 10.0, 100.0])
-        self.observations.append(obs.copy())
-        return obs
-
-    def reset(self) -> np.ndarray:
-        return self._observe()
-
-    def step(self, actions: np.ndarray) -> vpg.VecStep:
-        self.t += 1
-        obs = self._observe()
-        rewards = self.rng.normal(size=self.num_envs) + actions[:, 0]
-        terminated = self.rng.random(self.num_envs) < 0.1
-        truncated = ~terminated & (self.rng.random(self.num_envs) < 0.1)
-        final_obs = self.rng.normal(size=(self.num_envs, 3))
-        self.rewards.append(rewards)
-        self.done.append(terminated | truncated)
-        finished = [(int(env), 1.0, 1) for env in np.flatnonzero(terminated | truncated)]
-        return vpg.VecStep(obs, rewards, terminated, truncated, final_obs, finished)
 
 
 # Full-batch value fitting (num_minibatches=1), so that the update of each rank on its half is the
@@ -110,19 +74,6 @@ def record_gradients(trainer: vpg.Trainer) -> list[torch.Tensor]:
 
     trainer.optimizer.register_step_pre_hook(keep)
     return gradients
-
-
-def test_a_rank_exits_with_its_status_and_its_output_flushed():
-    # A rank skips the interpreter's shutdown (see `exit_process`), here an exit handler, but what
-    # it printed must still arrive.
-    program = ("import atexit, sys, vpg_continuous; atexit.register(print, 'shut down'); "
-               "print('written', end=''); print('and this', end='', file=sys.stderr); "
-               "vpg_continuous.exit_process(5, ranks=2)")
-    ended = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert (ended.returncode, ended.stdout, ended.stderr) == (5, "written", "and this")
-    with pytest.raises(SystemExit) as stopped:
-        vpg.exit_process(3, ranks=1)  # one process exits as usual, through SystemExit
-    assert stopped.value.code == 3
 
 
 def start_ranks(target, folder: Path, *args) -> list:
@@ -254,46 +205,6 @@ def test_a_prior_counts_once_however_many_ranks_pool_it():
         assert stats.mean == pytest.approx(mean, rel=1e-12) and stats.var == pytest.approx(var, rel=1e-12)
 
 
-def run_failing_rank(rank: int, port: int, out: str, dies_in: str) -> None:
-    """Rank 1 dies after one update, in the next rollout or the next update; rank 0 goes on and
-    writes down how it ended, then leaves at once, the moment at which an abort would come."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    trainer = vpg.DataParallelTrainer(vpg.Config(**CONFIG), DriftingTask(2, seed=rank), torch.device("cpu"),
-                                      vpg.Ranks(size=2, rank=rank))
-    trainer.update_policy(trainer.collect_rollout())
-    if rank == 1:
-        if dies_in == "update":
-            trainer.collect_rollout()
-        os._exit(3)
-    try:
-        for _ in range(5):
-            trainer.update_policy(trainer.collect_rollout())
-        Path(out).write_text(json.dumps({"message": "went on without rank 1"}))
-    except vpg.RankFailure as error:
-        # The failed operation's tensors must still be held here, by the kept error's frames.
-        kept = vpg.FAILED_COLLECTIVES
-        frames = traceback.walk_tb(kept[0].__traceback__) if kept else []
-        tensors = sum(isinstance(value, torch.Tensor) for frame, _ in frames for value in frame.f_locals.values())
-        Path(out).write_text(json.dumps({"message": str(error), "kept": len(kept), "tensors": tensors}))
-
-
-@pytest.mark.parametrize("dies_in", ["rollout", "update"])
-def test_a_failed_rank_brings_the_other_down_with_one_line(tmp_path, dies_in):
-    processes = start_ranks(run_failing_rank, tmp_path, dies_in)
-    try:
-        for process in processes:
-            process.join(timeout=120)
-    finally:
-        for process in processes:
-            process.kill()
-    # -6 for rank 0 would be gloo's thread aborting the process as it shuts down (see FAILED_COLLECTIVES).
-    assert [process.exitcode for process in processes] == [0, 3]
-    report = json.loads((tmp_path / "rank0.pt").read_text())
-    message = report["message"]
-    assert message.startswith("rank 0: another rank failed or left (") and "\n" not in message, message
-    assert report["kept"] == 1 and report["tensors"] >= 1, report
-
-
 def test_each_rank_steps_its_own_slice_of_the_run_envs():
     spaces = vpg.describe_env("Pendulum-v1")
     with vpg.Workers("Pendulum-v1", 4, 1, seed=3, spaces=spaces) as all_envs:
@@ -339,29 +250,3 @@ def test_torchrun_trains_on_two_ranks_and_resumes(tmp_path):
     alone = subprocess.run([sys.executable, SCRIPT, "--resume", str(run_dir / "checkpoint.pt")], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
     assert alone.returncode == 2 and "written by a run of 2 rank(s); resume it with as many, not 1" in alone.stderr
-
-
-def test_ctrl_c_under_torchrun_saves_a_checkpoint_and_leaves_no_process(tmp_path):
-    # A terminal's Ctrl-C reaches every process of the foreground group, and torchrun passes it on
-    # to the ranks a second time: the ranks must take the two as one request and still save.
-    process = torchrun("--total-timesteps", 10_000_000, "--checkpoint-every", 1000, "--run-dir", tmp_path,
-                       start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        for line in process.stdout:
-            if "training on" in line:
-                break
-            assert time.monotonic() < deadline
-        time.sleep(3)
-        tree = process_tree(process.pid)
-        assert len(tree) >= 4  # 2 ranks and their workers
-        os.killpg(process.pid, signal.SIGINT)
-        output, _ = process.communicate(timeout=120)
-    finally:
-        process.kill()
-    # (torchrun itself ends with a traceback of the signal it received; the ranks print none.)
-    assert "stopped at update" in output and "aborted" not in output and 'vpg_continuous.py", line' not in output, output
-    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    assert checkpoint["update"] >= 1 and checkpoint["global_step"] == checkpoint["update"] * 256
-    time.sleep(1)
-    assert living(tree) == []

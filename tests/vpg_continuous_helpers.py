@@ -1,4 +1,5 @@
-"""Vector envs for the tests of vpg_continuous.py: the reference for `Workers`, and a scripted one."""
+"""Vector envs for the tests of vpg_continuous.py: the reference for `Workers`, a scripted one, and
+one of drifting noise for the ranks of a data-parallel test."""
 
 import io
 
@@ -109,3 +110,35 @@ def statistics_with_the_prior(returns) -> tuple[float, float]:
     weights = np.concatenate([[0.5, 0.5], np.ones(len(returns))])
     mean = np.average(values, weights=weights)
     return mean, np.average((values - mean) ** 2, weights=weights)
+
+
+class DriftingTask:
+    """A vector env from its own seed: observations on scales from 1 to 100 that drift away from 0,
+    random rewards and episode ends. It records what the trainer's running statistics should see."""
+
+    def __init__(self, num_envs: int, seed: int):
+        self.num_envs = num_envs
+        self.spaces = vpg.EnvSpaces(3, np.array([-1.0]), np.array([1.0]))
+        self.rng = np.random.default_rng(seed)
+        self.t = 0
+        self.observations, self.rewards, self.done = [], [], []
+
+    def _observe(self) -> np.ndarray:
+        obs = (self.rng.normal(size=(self.num_envs, 3)) + 0.1 * self.t) * np.array([1.0, 10.0, 100.0])
+        self.observations.append(obs.copy())
+        return obs
+
+    def reset(self) -> np.ndarray:
+        return self._observe()
+
+    def step(self, actions: np.ndarray) -> vpg.VecStep:
+        self.t += 1
+        obs = self._observe()
+        rewards = self.rng.normal(size=self.num_envs) + actions[:, 0]
+        terminated = self.rng.random(self.num_envs) < 0.1
+        truncated = ~terminated & (self.rng.random(self.num_envs) < 0.1)
+        final_obs = self.rng.normal(size=(self.num_envs, 3))
+        self.rewards.append(rewards)
+        self.done.append(terminated | truncated)
+        finished = [(int(env), 1.0, 1) for env in np.flatnonzero(terminated | truncated)]
+        return vpg.VecStep(obs, rewards, terminated, truncated, final_obs, finished)

@@ -1,5 +1,8 @@
-"""vpg_continuous.py when things go wrong: Ctrl-C twice or early, a diverging update, bad numbers,
-a full disk, two runs in one directory, and workers that fail before they are ready."""
+"""ppo_atari.py and vpg_continuous.py when things go wrong: Ctrl-C twice or early, a diverging update,
+bad numbers, a full disk, two runs in one directory, and workers that fail before they are ready.
+
+The two scripts hold the same text for all of this (`test_vpg_continuous_copies.py`), so each test
+is written once and runs for both."""
 
 import dataclasses
 import errno
@@ -7,26 +10,23 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 import typing
 
 import pytest
 import torch
 
-import vpg_continuous as vpg
-from conftest import ROOT
 from processes import alive, process_tree
-from test_vpg_continuous_cli import one_line_error, run_main
-
-SCRIPT = str(ROOT / "vpg_continuous.py")
-# A tiny Pendulum run: 2 envs in 1 worker, updates of 128 steps.
-TINY = ["--env", "Pendulum-v1", "--num-envs", 2, "--num-steps", 64, "--num-minibatches", 2, "--value-epochs", 1,
-        "--num-workers", 1, "--seed", 5]
+from torch_scripts import IDS, SCRIPTS, Script
 
 
-def start(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, SCRIPT, *map(str, args)], stderr=subprocess.PIPE, text=True, cwd=ROOT)
+@pytest.fixture(params=SCRIPTS, ids=IDS)
+def script(request) -> Script:
+    return request.param
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def wait_for(process: subprocess.Popen, text: str) -> None:
@@ -45,7 +45,8 @@ def press_ctrl_c_twice() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
-def test_a_ctrl_c_during_the_write_of_a_checkpoint_waits_until_the_checkpoint_is_whole(tmp_path, monkeypatch):
+def test_a_ctrl_c_during_the_write_of_a_checkpoint_waits_until_the_checkpoint_is_whole(script, tmp_path,
+                                                                                      monkeypatch):
     # Raised inside torch.save, the interrupt used to leave its C++ writer half-closed: now and then
     # the process died in `terminate called ... c10::Error`, with the temporary file left behind.
     real_save = torch.save
@@ -60,7 +61,7 @@ def test_a_ctrl_c_during_the_write_of_a_checkpoint_waits_until_the_checkpoint_is
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
-            vpg.save_checkpoint({"update": 7}, tmp_path / "checkpoint.pt")
+            script.module.save_checkpoint({"update": 7}, tmp_path / "checkpoint.pt")
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -70,8 +71,10 @@ def test_a_ctrl_c_during_the_write_of_a_checkpoint_waits_until_the_checkpoint_is
 
 # In update 3, after update 2's checkpoint; or while update 2's checkpoint is written, after update 1's.
 @pytest.mark.parametrize("phase, last", [("training", 2), ("saving", 1)])
-def test_a_second_ctrl_c_aborts_at_once_naming_the_last_checkpoint(phase, last, tmp_path, monkeypatch, capsys):
-    real_update, real_save = vpg.Trainer.update_policy, vpg.save_checkpoint
+def test_a_second_ctrl_c_aborts_at_once_naming_the_last_checkpoint(script, phase, last, tmp_path, monkeypatch,
+                                                                   capsys):
+    module = script.module
+    real_update, real_save = module.Trainer.update_policy, module.save_checkpoint
 
     def update(self, rollout):
         if phase == "training" and self.update == 2:
@@ -83,10 +86,10 @@ def test_a_second_ctrl_c_aborts_at_once_naming_the_last_checkpoint(phase, last, 
             press_ctrl_c_twice()
         real_save(state, path)
 
-    monkeypatch.setattr(vpg.Trainer, "update_policy", update)
-    monkeypatch.setattr(vpg, "save_checkpoint", save)
-    status, _, stderr = run_main(capsys, *TINY, "--total-timesteps", 1280, "--checkpoint-every", 1,
-                                 "--run-dir", tmp_path)
+    monkeypatch.setattr(module.Trainer, "update_policy", update)
+    monkeypatch.setattr(module, "save_checkpoint", save)
+    status, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 1280, "--checkpoint-every", 1,
+                                        "--run-dir", tmp_path)
     assert status == 130 and "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == (
         f"aborted by a second interrupt: no checkpoint written now; the last one is {tmp_path / 'checkpoint.pt'}")
@@ -94,22 +97,22 @@ def test_a_second_ctrl_c_aborts_at_once_naming_the_last_checkpoint(phase, last, 
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_a_ctrl_c_while_closing_does_not_cut_it_short(tmp_path, monkeypatch, capsys):
-    real_close = vpg.Workers.close
+def test_a_ctrl_c_while_closing_does_not_cut_it_short(script, tmp_path, monkeypatch, capsys):
+    real_close = script.module.Workers.close
 
     def close(self):
         if self.processes:
             os.kill(os.getpid(), signal.SIGINT)
         real_close(self)
 
-    monkeypatch.setattr(vpg.Workers, "close", close)
-    status, _, stderr = run_main(capsys, *TINY, "--total-timesteps", 128, "--run-dir", tmp_path)
+    monkeypatch.setattr(script.module.Workers, "close", close)
+    status, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 128, "--run-dir", tmp_path)
     assert status == 0 and "Traceback" not in stderr and "done: 128 steps" in stderr, stderr
 
 
 @pytest.mark.parametrize("interval", [0.0, 0.01, 0.1])
-def test_ctrl_c_pressed_again_and_again_leaves_no_traceback_and_no_worker(interval, tmp_path):
-    process = start(*TINY, "--total-timesteps", 10**7, "--run-dir", tmp_path)
+def test_ctrl_c_pressed_again_and_again_leaves_no_traceback_and_no_worker(script, interval, tmp_path):
+    process = script.start(*script.tiny, "--total-timesteps", 10**7, "--run-dir", tmp_path)
     try:
         wait_for(process, "training on")
         time.sleep(2)
@@ -134,10 +137,10 @@ def test_ctrl_c_pressed_again_and_again_leaves_no_traceback_and_no_worker(interv
 
 
 @pytest.mark.parametrize("presses", [1, 2])
-def test_ctrl_c_while_the_workers_start(tmp_path, presses):
+def test_ctrl_c_while_the_workers_start(script, tmp_path, presses):
     # Spawned workers take seconds to import torch: long enough to press Ctrl-C while they start.
-    process = start(*TINY, "--total-timesteps", 10**7, "--num-workers", 2, "--start-method", "spawn",
-                    "--run-dir", tmp_path)
+    process = script.start(*script.tiny, "--total-timesteps", 10**7, "--num-workers", 2, "--start-method", "spawn",
+                           "--run-dir", tmp_path)
     try:
         deadline = time.monotonic() + 30
         while not process_tree(process.pid) and time.monotonic() < deadline:
@@ -162,76 +165,80 @@ def test_ctrl_c_while_the_workers_start(tmp_path, presses):
 # ## A diverging update
 
 
-def test_weights_that_become_infinite_are_undone_and_never_checkpointed(tmp_path, monkeypatch, capsys):
-    real_update = vpg.Trainer.update_policy
+def test_weights_that_become_infinite_are_undone_and_never_checkpointed(script, tmp_path, monkeypatch, capsys):
+    real_update = script.module.Trainer.update_policy
 
     def update_that_poisons_the_third(self, rollout):
         stats = real_update(self, rollout)  # a finite loss ...
         if self.update == 3:
             with torch.no_grad():
-                weights = next(self.policy.parameters())
+                weights = next(getattr(self, script.network).parameters())
                 weights[(0,) * weights.dim()] = math.inf  # ... and a step that overflowed
         return stats
 
-    monkeypatch.setattr(vpg.Trainer, "update_policy", update_that_poisons_the_third)
-    status, _, stderr = run_main(capsys, *TINY, "--total-timesteps", 1280, "--checkpoint-every", 1,
-                                 "--run-dir", tmp_path)
+    monkeypatch.setattr(script.module.Trainer, "update_policy", update_that_poisons_the_third)
+    status, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 1280, "--checkpoint-every", 1,
+                                        "--run-dir", tmp_path)
     assert status == 1, stderr
     assert f"NaN or infinite in update 3; the update was undone; the last good checkpoint is {tmp_path}" in stderr
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert checkpoint["update"] == 2
-    assert all(torch.isfinite(weights).all() for weights in checkpoint["policy"].values())
+    assert all(torch.isfinite(weights).all() for weights in checkpoint[script.network].values())
     monkeypatch.undo()
-    status, out, stderr = run_main(capsys, "--eval", tmp_path / "checkpoint.pt", "--eval-episodes", 2)
+    status, out, stderr = script.run_main(capsys, "--eval", tmp_path / "checkpoint.pt", "--eval-episodes", 2)
     assert status == 0 and "nan" not in out, stderr
 
 
-def test_eval_of_non_finite_weights_is_one_line(tmp_path, capsys):
-    assert run_main(capsys, *TINY, "--total-timesteps", 128, "--run-dir", tmp_path)[0] == 0
+def test_eval_of_non_finite_weights_is_one_line(script, tmp_path, capsys):
+    assert script.run_main(capsys, *script.tiny, "--total-timesteps", 128, "--run-dir", tmp_path)[0] == 0
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    checkpoint["policy"]["mean.weight"][0, 0] = math.inf
+    weights = next(iter(checkpoint[script.network].values()))
+    weights[(0,) * weights.dim()] = math.inf
     torch.save(checkpoint, tmp_path / "poisoned.pt")
-    one_line_error(*run_main(capsys, "--eval", tmp_path / "poisoned.pt")[::2], "holds non-finite policy weights")
+    script.one_line_error(*script.run_main(capsys, "--eval", tmp_path / "poisoned.pt")[::2], script.non_finite)
 
 
 # ## Bad numbers
 
 
-def numeric_fields() -> list[tuple[str, type]]:
-    hints = typing.get_type_hints(vpg.RunConfig)
+def numeric_fields(script: Script) -> list[tuple[str, type]]:
+    hints = typing.get_type_hints(script.module.RunConfig)
     fields = []
-    for field in dataclasses.fields(vpg.RunConfig):
+    for field in dataclasses.fields(script.module.RunConfig):
         kinds = set(typing.get_args(hints[field.name])) - {type(None)} or {hints[field.name]}
         fields += [(field.name, kind) for kind in kinds if kind in (int, float)]
     return fields
 
 
-def test_every_numeric_field_is_covered():
-    assert {name for name, _ in numeric_fields()} >= {"seed", "ent_coef", "vf_coef", "learning_rate", "gamma",
-                                                      "num_workers", "checkpoint_every", "eval_episodes"}
+def test_every_numeric_field_is_covered(script):
+    assert {name for name, _ in numeric_fields(script)} >= {"seed", "ent_coef", "vf_coef", "learning_rate",
+                                                            "num_workers", "checkpoint_every", "eval_episodes",
+                                                            script.numeric}
 
 
-@pytest.mark.parametrize("name, kind", numeric_fields())
-def test_every_numeric_flag_refuses_what_cannot_work(name, kind, capsys):
+@pytest.mark.parametrize("script, name, kind", [
+    pytest.param(script, name, kind, id=f"{script_id}-{name}-{kind.__name__}")
+    for script, script_id in zip(SCRIPTS, IDS) for name, kind in numeric_fields(script)])
+def test_every_numeric_flag_refuses_what_cannot_work(script, name, kind, capsys):
     bad = ["nan", "inf", "-inf"] if kind is float else ["-1"]
     for value in bad:
-        one_line_error(*run_main(capsys, f"{vpg.flag(name)}={value}")[::2], vpg.flag(name))
+        script.one_line_error(*script.run_main(capsys, f"{flag(name)}={value}")[::2], flag(name))
 
 
 @pytest.mark.parametrize("seed", ["-1", str(2**32)])
-def test_seeds_beyond_32_bits_are_refused(seed, capsys):
-    one_line_error(*run_main(capsys, "--seed", seed)[::2], "--seed must be in [0, 2**32 - 1]")
+def test_seeds_beyond_32_bits_are_refused(script, seed, capsys):
+    script.one_line_error(*script.run_main(capsys, "--seed", seed)[::2], "--seed must be in [0, 2**32 - 1]")
 
 
-def test_a_run_dir_that_is_a_file_is_refused(tmp_path, capsys):
+def test_a_run_dir_that_is_a_file_is_refused(script, tmp_path, capsys):
     (tmp_path / "file").write_text("")
-    one_line_error(*run_main(capsys, "--run-dir", tmp_path / "file")[::2], "is a file, not a directory")
+    script.one_line_error(*script.run_main(capsys, "--run-dir", tmp_path / "file")[::2], "is a file, not a directory")
 
 
 # ## A full disk
 
 
-def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
+def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(script, tmp_path, monkeypatch, capsys):
     real_replace = os.replace
     written = []
 
@@ -241,12 +248,12 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, mon
             raise OSError(errno.ENOSPC, "No space left on device", str(source))
         return real_replace(source, destination)
 
-    monkeypatch.setattr(vpg.os, "replace", replace_until_the_disk_fills)
-    status, _, stderr = run_main(capsys, *TINY, "--total-timesteps", 1280, "--checkpoint-every", 1,
-                                 "--run-dir", tmp_path)
+    monkeypatch.setattr(script.module.os, "replace", replace_until_the_disk_fills)
+    status, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 1280, "--checkpoint-every", 1,
+                                        "--run-dir", tmp_path)
     assert status == 1 and "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == (
-        f"vpg_continuous.py: error: no space left on device while writing {tmp_path / 'checkpoint.pt'}; "
+        f"{script.name}: error: no space left on device while writing {tmp_path / 'checkpoint.pt'}; "
         f"the last checkpoint is {tmp_path / 'checkpoint.pt'}")
     assert str(os.getpid()) in str(written[0])  # a temporary file of this process's own
     assert not list(tmp_path.glob("*.tmp"))
@@ -256,56 +263,58 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, mon
 # ## Two runs, one directory
 
 
-def test_a_second_run_in_a_run_dir_in_use_is_refused(tmp_path, capsys):
-    process = start(*TINY, "--total-timesteps", 10**7, "--run-dir", tmp_path)
+def test_a_second_run_in_a_run_dir_in_use_is_refused(script, tmp_path, capsys):
+    process = script.start(*script.tiny, "--total-timesteps", 10**7, "--run-dir", tmp_path)
     try:
         wait_for(process, "training on")
-        one_line_error(*run_main(capsys, *TINY, "--total-timesteps", 128, "--run-dir", tmp_path)[::2],
-                       f"{tmp_path} is in use by another run (process {process.pid})")
+        script.one_line_error(*script.run_main(capsys, *script.tiny, "--total-timesteps", 128,
+                                               "--run-dir", tmp_path)[::2],
+                              f"{tmp_path} is in use by another run (process {process.pid})")
     finally:
         process.kill()
         process.communicate()
     # The lock dies with its process: the directory is free again.
-    assert run_main(capsys, *TINY, "--total-timesteps", 128, "--run-dir", tmp_path)[0] == 0
+    assert script.run_main(capsys, *script.tiny, "--total-timesteps", 128, "--run-dir", tmp_path)[0] == 0
 
 
-def test_resuming_into_another_runs_directory_is_refused(tmp_path, capsys):
+def test_resuming_into_another_runs_directory_is_refused(script, tmp_path, capsys):
     for name in ["a", "b"]:
-        assert run_main(capsys, *TINY, "--total-timesteps", 128, "--run-dir", tmp_path / name)[0] == 0
+        assert script.run_main(capsys, *script.tiny, "--total-timesteps", 128, "--run-dir", tmp_path / name)[0] == 0
     before = (tmp_path / "b" / "checkpoint.pt").read_bytes()
-    one_line_error(*run_main(capsys, "--resume", tmp_path / "a" / "checkpoint.pt", "--total-timesteps", 256,
-                             "--run-dir", tmp_path / "b")[::2], "already holds another run's checkpoint")
+    script.one_line_error(*script.run_main(capsys, "--resume", tmp_path / "a" / "checkpoint.pt",
+                                           "--total-timesteps", 256, "--run-dir", tmp_path / "b")[::2],
+                          "already holds another run's checkpoint")
     assert (tmp_path / "b" / "checkpoint.pt").read_bytes() == before
 
 
 # ## Start-up faults
 
 
-def test_a_worker_that_dies_before_it_is_ready_is_one_message(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(vpg.Task, "__init__", lambda self, *args, **kwargs: os._exit(3))
-    status, _, stderr = run_main(capsys, *TINY, "--total-timesteps", 128, "--start-method", "fork",
-                                 "--run-dir", tmp_path)
+def test_a_worker_that_dies_before_it_is_ready_is_one_message(script, tmp_path, monkeypatch, capsys):
+    script.make_envs_fail(monkeypatch, lambda *args, **kwargs: os._exit(3))
+    status, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 128, "--start-method", "fork",
+                                        "--run-dir", tmp_path)
     assert status == 1 and "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines() == [
         f"worker 0 (pid {stderr.split('(pid ')[1].split(')')[0]}) died unexpectedly (exit code 3)",
         "the workers did not start; no training was done"]
 
 
-def test_an_env_that_cannot_be_made_shows_the_workers_traceback_once(tmp_path, monkeypatch, capsys):
-    def broken(self, *args, **kwargs):
+def test_an_env_that_cannot_be_made_shows_the_workers_traceback_once(script, tmp_path, monkeypatch, capsys):
+    def broken(*args, **kwargs):
         raise RuntimeError("no simulator here")
 
-    monkeypatch.setattr(vpg.Task, "__init__", broken)
-    status, _, stderr = run_main(capsys, *TINY, "--total-timesteps", 128, "--start-method", "fork",
-                                 "--run-dir", tmp_path)
+    script.make_envs_fail(monkeypatch, broken)
+    status, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 128, "--start-method", "fork",
+                                        "--run-dir", tmp_path)
     assert status == 1, stderr
     assert stderr.count("Traceback") == 1 and "RuntimeError: no simulator here" in stderr, stderr
     assert stderr.strip().splitlines()[-1] == "the workers did not start; no training was done"
 
 
-def test_a_checkpoint_missing_a_field_is_one_line(tmp_path, capsys):
-    assert run_main(capsys, *TINY, "--total-timesteps", 128, "--run-dir", tmp_path)[0] == 0
+def test_a_checkpoint_missing_a_field_is_one_line(script, tmp_path, capsys):
+    assert script.run_main(capsys, *script.tiny, "--total-timesteps", 128, "--run-dir", tmp_path)[0] == 0
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    del checkpoint["obs_normalizer"]
+    del checkpoint[script.missing]
     torch.save(checkpoint, tmp_path / "older.pt")
-    one_line_error(*run_main(capsys, "--eval", tmp_path / "older.pt")[::2], "lacks obs_normalizer")
+    script.one_line_error(*script.run_main(capsys, "--eval", tmp_path / "older.pt")[::2], f"lacks {script.missing}")

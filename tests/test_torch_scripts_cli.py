@@ -1,0 +1,68 @@
+"""The command lines of ppo_atari.py and vpg_continuous.py where they behave alike, written once and
+run for both (each script's own, with its trained run, are in its own file)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from torch_scripts import IDS, SCRIPTS, Script
+
+
+@pytest.fixture(params=SCRIPTS, ids=IDS)
+def script(request) -> Script:
+    return request.param
+
+
+def test_config_holds_the_agent_and_run_config_adds_the_invocation(script):
+    module, invocation = script.module, script.invocation
+    agent = {field.name for field in dataclasses.fields(module.Config)}
+    assert not agent & invocation.keys()
+    assert issubclass(module.RunConfig, module.Config)
+    added = {field.name: field.default for field in dataclasses.fields(module.RunConfig) if field.name not in agent}
+    assert added == invocation and module.RUN_OPTIONS == invocation.keys()
+    # Every field of both is a flag, with its documentation as the help text (argparse's `%` doubled).
+    helps = {action.dest: action.help for action in module.build_parser()._actions}
+    docs = module.field_docs(module.RunConfig)
+    for field in dataclasses.fields(module.RunConfig):
+        assert docs[field.name] and helps[field.name].startswith(docs[field.name].replace("%", "%%")), field.name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_exits_2(script, tmp_path, capsys):
+    script.one_line_error(*script.run_main(capsys, *script.tiny, "--total-timesteps", 1024, "--device", "cuda",
+                                           "--run-dir", tmp_path)[::2], "no CUDA device")
+
+
+def test_ctrl_c_saves_a_checkpoint_and_leaves_no_process(script, tmp_path):
+    script.ctrl_c_saves_a_checkpoint_and_leaves_no_process(tmp_path, "cpu")
+
+
+def test_a_run_trains_with_run_trainer_and_a_nan_keeps_the_last_good_checkpoint(script, tmp_path, monkeypatch,
+                                                                                 capsys):
+    module, trainers = script.module, []
+    real_update = module.Trainer.update_policy
+
+    def update_that_fails_third(self, rollout):
+        trainers.append(self)
+        if self.update == 2:
+            raise module.NonFiniteError("the loss or its gradient became nan at update 3; no step was taken")
+        return real_update(self, rollout)
+
+    monkeypatch.setattr(module.Trainer, "update_policy", update_that_fails_third)
+    status, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 1024, "--checkpoint-every", 2,
+                                        "--run-dir", tmp_path)
+    assert status == 1
+    assert "nan at update 3" in stderr and "the last good checkpoint is" in stderr
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] == 2
+    # Parts 3 and 4 extend Part 1 by subclass: what a run adds (the stop between steps, the timing,
+    # the undoing of a diverged update) is in `RunWorkers` and `RunTrainer`, never a function
+    # assigned to an object in place of its method, which a fork's rename would silently bypass.
+    trainer = trainers[0]
+    assert all(other is trainer for other in trainers)
+    assert type(trainer) is module.RunTrainer and type(trainer.envs) is module.RunWorkers
+    for owner in (trainer, trainer.envs):
+        assert not [name for name in vars(owner) if callable(getattr(type(owner), name, None))], owner
+    # Each phase was counted, for the log's split of each update's time.
+    assert trainer.envs.seconds["env"] > 0 and trainer.seconds["sampling"] > trainer.envs.seconds["env"]
+    assert trainer.seconds["update"] > 0
