@@ -122,6 +122,7 @@ import functools
 import difflib
 import fractions
 import inspect
+import io
 import math
 import os
 import signal
@@ -130,12 +131,11 @@ import textwrap
 import threading
 import time
 import typing
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, NamedTuple
 
-import ale_py
-import cv2
 import flax.linen as nn
 import flax.serialization
 import gymnasium as gym
@@ -278,6 +278,8 @@ class BatchedEnv:
 
     resets_within_step = True
     """gymnax resets an environment in the step that ends its episode (Atari's vector env, in the next: Part 2)."""
+    frames = False
+    """Whether observations are stacks of screen frames, channels first (Atari's, Part 2): the Nature CNN's input."""
 
     def __init__(self, env_id: str, num_envs: int):
         import gymnax  # imported here, not at the top: it takes seconds, which an Atari run need not spend
@@ -307,10 +309,16 @@ class BatchedEnv:
             info["final_observation"], jnp.ones_like(done), rewards, jnp.ones(self.num_envs, jnp.int32), done)
 
 
+# Environments that gymnax does not have join through this list: each entry is a test of an id and
+# what makes `num_envs` of them with `BatchedEnv`'s interface and facts. Part 2 adds Atari's games.
+OTHER_ENVS: list[tuple[Callable[[str], bool], Callable[[str, int, Config], BatchedEnv]]] = []
+
+
 def make_env(env_id: str, num_envs: int, config: Config) -> BatchedEnv:
-    """`num_envs` environments of `env_id`: an Atari game (Part 2's `AtariEnv`, with `config`'s protocol) or gymnax's."""
-    if env_id in atari_ids():
-        return AtariEnv(env_id, num_envs, config)
+    """`num_envs` environments of `env_id`: gymnax's, unless a kind in `OTHER_ENVS` (Part 2: Atari) claims the id."""
+    for claims, kind in OTHER_ENVS:
+        if claims(env_id):
+            return kind(env_id, num_envs, config)
     return BatchedEnv(env_id, num_envs)
 
 
@@ -374,21 +382,29 @@ class Gaussian(NamedTuple):
 # pytree, and `apply(params, obs)` runs it. The parameters live outside the module, which is what
 # lets them be carried through `scan`, differentiated by `jax.grad` and batched by `vmap`. Which
 # network an environment gets is decided in one place, `make_network`, from the environment's
-# observations and actions.
+# observations and actions. The layers are flax's `nn.Dense` and `nn.Conv`, the batch first, as
+# PureJaxRL and CleanRL write them. The convolutional networks take their convolution layer as a
+# field, `nn.Conv` unless told otherwise: a layer with the same fields and parameters may compute
+# it another way where a backend needs it (Part 3 does, on a CPU).
 
 
-def dense(features: int, gain: float = math.sqrt(2), name: str | None = None,
-          layer: type[nn.Dense] = nn.Dense, **fields) -> nn.Dense:
+def dense(features: int, gain: float = math.sqrt(2), name: str | None = None) -> nn.Dense:
     r"""A linear layer with orthogonal weights scaled by `gain` and zero biases.
 
     Orthogonal matrices keep the norm of what passes through, so activations neither explode nor
     vanish with depth; $\sqrt 2$ makes up for the half of a ReLU's input cut to 0. The policy head
-    starts at gain 0.01, so the first policy is almost uniform; the value head at gain 1. `layer`
-    is `nn.Dense` or a kind of it (Part 3's `WindowsDense` for the convolutions and `RowsDense`),
-    and `fields` are its own.
+    starts at gain 0.01, so the first policy is almost uniform; the value head at gain 1.
     """
-    return layer(features, kernel_init=nn.initializers.orthogonal(gain), bias_init=nn.initializers.zeros, name=name,
-                 **fields)
+    return nn.Dense(features, kernel_init=nn.initializers.orthogonal(gain), bias_init=nn.initializers.zeros, name=name)
+
+
+def convolution(layer: Callable[..., nn.Module], features: int, size: int, stride: int, name: str) -> nn.Module:
+    """A `size x size` convolution without padding, `layer` (`nn.Conv`, or one like it), initialised as `dense`.
+
+    The orthogonal initialisation treats the kernel as a matrix with one column per output channel.
+    """
+    return layer(features, (size, size), strides=(stride, stride), padding="VALID",
+                 kernel_init=nn.initializers.orthogonal(math.sqrt(2)), bias_init=nn.initializers.zeros, name=name)
 
 
 class MLPActorCritic(nn.Module):
@@ -419,32 +435,50 @@ class MLPActorCritic(nn.Module):
 
 
 class MinAtarActorCritic(nn.Module):
-    """For MinAtar's 10 x 10 grids of 0/1 channels: the network of the MinAtar paper, shared by two heads.
+    """For MinAtar's 10 x 10 grids of 0/1 channels (channels last): the MinAtar paper's network, shared by two heads.
 
-    One 3 x 3 convolution of 16 filters and a 128-unit layer (Young and Tian, 2019). `Convolution`
-    is flax's `nn.Conv` without padding, computed as a matrix product with the channels first and
-    the batch last (see Hardware choices, Part 3); its output is laid out channels last again, as
-    `nn.Conv`'s, before it is flattened.
+    One 3 x 3 convolution of 16 filters and a 128-unit layer (Young and Tian, 2019).
     """
 
     n_actions: int
+    conv: Callable[..., nn.Module] = nn.Conv
+    """The convolution layer: `nn.Conv`, or a layer with its fields and parameters."""
 
     @nn.compact
     def __call__(self, obs: jax.Array) -> tuple[Categorical, jax.Array]:
-        x = jnp.moveaxis(obs, (-1, -3, -2), (0, 1, 2))                          # C x 10 x 10 x batch
-        hidden = nn.relu(Convolution(16, kernel=3)(x))                          # -> 16 x 8 x 8
-        hidden = jnp.moveaxis(hidden, (0, 1, 2), (-1, -3, -2))                  # -> batch x 8 x 8 x 16
-        hidden = nn.relu(dense(128)(hidden.reshape(*hidden.shape[:-3], -1)))
+        hidden = nn.relu(convolution(self.conv, 16, 3, 1, "Conv_0")(obs))     # batch x 8 x 8 x 16
+        hidden = nn.relu(dense(128, name="Dense_0")(hidden.reshape(*hidden.shape[:-3], -1)))
         return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
 
 
-def make_network(env: BatchedEnv, torso_dtype: Any = jnp.float32) -> nn.Module:
-    """The actor-critic for `env`: the DQN paper's CNN for Atari's frames (Part 2), its torso's products
-    computed in `torso_dtype`; the MinAtar CNN for grids of channels; the MLP for vectors."""
-    if isinstance(env, AtariEnv):
-        return NatureActorCritic(env.action_dim, torso_dtype)
+class NatureActorCritic(nn.Module):
+    """For Atari's frames: the DQN paper's "Nature CNN" torso (Mnih et al., 2015), shared by a policy head and a value head.
+
+    Frames arrive as `uint8` stacks of 4, channels first as the emulator's vector env writes them
+    (Part 2); they are scaled to [0, 1] and their channels moved last, where `nn.Conv` takes them.
+    """
+
+    n_actions: int
+    conv: Callable[..., nn.Module] = nn.Conv
+    """The convolution layer: `nn.Conv`, or a layer with its fields and parameters."""
+
+    @nn.compact
+    def __call__(self, obs: jax.Array) -> tuple[Categorical, jax.Array]:
+        x = jnp.moveaxis(obs, -3, -1).astype(jnp.float32) / 255.0               # batch x 84 x 84 x 4
+        x = nn.relu(convolution(self.conv, 32, 8, 4, "Conv_0")(x))              # -> 20 x 20 x 32
+        x = nn.relu(convolution(self.conv, 64, 4, 2, "Conv_1")(x))              # -> 9 x 9 x 64
+        x = nn.relu(convolution(self.conv, 64, 3, 1, "Conv_2")(x))              # -> 7 x 7 x 64
+        hidden = nn.relu(dense(512, name="Dense_0")(x.reshape(*x.shape[:-3], -1)))
+        return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
+
+
+def make_network(env: BatchedEnv, conv: Callable[..., nn.Module] = nn.Conv) -> nn.Module:
+    """The actor-critic for `env`: the Nature CNN for stacks of screen frames, the MinAtar CNN for grids of
+    channels (both with `conv` as their convolution layer), the MLP for vectors."""
+    if env.frames:
+        return NatureActorCritic(env.action_dim, conv)
     if len(env.obs_shape) == 3:
-        return MinAtarActorCritic(env.action_dim)
+        return MinAtarActorCritic(env.action_dim, conv)
     return MLPActorCritic(env.action_dim, continuous=env.continuous)
 
 
@@ -823,29 +857,12 @@ def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformatio
             agent = jax.tree.map(lambda new, old: jnp.where(take, new, old), stepped, agent)
             return (agent, stopped, broken), (terms, take, step_rms)
 
-        # Images (Atari's frames, MinAtar's grids) are copied out batch last, and each minibatch is taken
-        # at a fixed index: both for XLA's CPU backend ("Minibatches cut from one shuffled copy", Part 3).
-        images = batch.obs.ndim == 4
-
         def epoch(carry: tuple, key: jax.Array) -> tuple[tuple, tuple]:
             # The batch shuffled, then cut into minibatches: each a slice of one copy.
             order = jax.random.permutation(key, config.batch_size)
             minibatches = jax.tree.map(lambda x: x[order].reshape(config.num_minibatches, config.minibatch_size,
                                                                   *x.shape[1:]), batch)
-            if images:
-                minibatches = minibatches._replace(obs=jnp.moveaxis(minibatches.obs, 1, -1))
-
-                def cut(k: int) -> Batch:
-                    return jax.tree.map(lambda x: x[k], minibatches)
-
-                def image_step(carry: tuple, k: jax.Array) -> tuple[tuple, tuple]:
-                    minibatch = jax.lax.switch(k, [functools.partial(cut, j) for j in range(config.num_minibatches)])
-                    return minibatch_step(carry, minibatch._replace(obs=jnp.moveaxis(minibatch.obs, -1, 0)))
-
-                step, xs = image_step, jnp.arange(config.num_minibatches)
-            else:
-                step, xs = minibatch_step, minibatches
-            (agent, stopped, broken), (terms, take, step_rms) = jax.lax.scan(step, carry, xs)
+            (agent, stopped, broken), (terms, take, step_rms) = jax.lax.scan(minibatch_step, carry, minibatches)
             if config.target_kl is not None:
                 # `--target-kl` ends the update after a whole epoch whose last minibatch strayed too
                 # far from the old policy, as CleanRL's `break` does: the epochs left do nothing.
@@ -948,16 +965,16 @@ def mean_of_ring(ring: jax.Array, count: jax.Array) -> jax.Array:
     return jnp.where(filled, ring, 0.0).sum() / filled.sum()
 
 
-def make_train(config: Config, env_id: str | None = None, torso_dtype: Any = jnp.float32) -> Training:
-    """The training run of one agent on the gymnax environment `env_id` (default: `config.env`), as pure functions.
+def make_train(config: Config, env_id: str | None = None, conv: Callable[..., nn.Module] = nn.Conv) -> Training:
+    """The training run of one agent on the environment `env_id` (default: `config.env`), as pure functions.
 
     `train(key) -> (runner, metrics)` is the whole run, its metrics with a leading `[num_updates]`
     axis; `jax.jit(jax.vmap(train))(jax.random.split(key, n))` trains `n` agents, one per key, in one
-    compiled program. `train_chunk(runner, count, length)` is a part of it, `count` updates. On
-    Atari, the torso's products compute in `torso_dtype` (Part 3's `--precision`).
+    compiled program. `train_chunk(runner, count, length)` is a part of it, `count` updates. The
+    convolutional networks are built with `conv` as their convolution layer (see `make_network`).
     """
     env = make_env(env_id or config.env, config.num_envs, config)
-    network = make_network(env, torso_dtype)
+    network = make_network(env, conv)
     optimizer = make_optimizer(config)
     update_agent = make_update_agent(network, optimizer, config)
     # Under `vmap` over agents, each agent's network is initialised on its own, one after another,
@@ -1176,8 +1193,10 @@ class AtariEnv:
 
     continuous = False
     resets_within_step = False
+    frames = True
 
     def __init__(self, env_id: str, num_envs: int, config: AtariConfig):
+        import ale_py
         from ale_py.vector_env import AtariVectorEnv
 
         self.num_envs, self.life_loss, self.max_frames = num_envs, config.life_loss, config.max_episode_frames
@@ -1237,31 +1256,17 @@ class AtariEnv:
         return frames, state, jnp.sign(points).astype(jnp.float32), terminated, truncated, info
 
 
-class NatureActorCritic(nn.Module):
-    """For Atari frames: the DQN paper's "Nature CNN" torso, shared by a policy head and a value head.
+def atari_ids() -> list[str]:
+    """Every Atari id gymnasium knows once ale-py has registered its games; none without ale-py."""
+    try:
+        import ale_py  # imported here, not at the top: only Atari needs it
+    except ImportError:
+        return []
+    gym.register_envs(ale_py)
+    return sorted(env_id for env_id, spec in gym.registry.items() if spec.entry_point == "ale_py.env:AtariEnv")
 
-    Frames arrive as `uint8` stacks, channels first as the vector env writes them, and are scaled to
-    [0, 1]: the first layer takes their integers, exact in float32 and bfloat16 alike, and scales
-    its products by 1/255, which is the same function. The convolutions take the channels first and
-    the batch last. The 512-unit layer reads the last map flattened with its channels last, as
-    `nn.Dense` reads a channels-last map, and computes its products in `rows_product` (both
-    choices: Hardware choices, Part 3).
-    """
 
-    n_actions: int
-    dtype: Any = jnp.float32
-    """What the torso's products compute in: float32, or bfloat16 (`--precision`, Part 3)."""
-
-    @nn.compact
-    def __call__(self, obs: jax.Array) -> tuple[Categorical, jax.Array]:
-        x = jnp.moveaxis(obs, (-3, -2, -1), (0, 1, 2))                                  # 4 x 84 x 84 x batch
-        x = nn.relu(Convolution(32, 8, stride=4, dtype=self.dtype, scale=1 / 255)(x))   # -> 32 x 20 x 20
-        x = nn.relu(Convolution(64, 4, stride=2, dtype=self.dtype)(x))                  # -> 64 x 9 x 9
-        x = nn.relu(Convolution(64, 3, dtype=self.dtype)(x))                            # -> 64 x 7 x 7
-        x = jnp.moveaxis(x, (0, 1, 2), (-1, -3, -2))                                    # -> batch x 7 x 7 x 64
-        x = x.reshape(*x.shape[:-3], -1)                                                # -> batch x 3136
-        hidden = nn.relu(dense(512, name="Dense_0", layer=RowsDense, dtype=self.dtype)(x))
-        return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
+OTHER_ENVS.append((lambda env_id: env_id in atari_ids(), AtariEnv))
 
 
 # ## Part 3: Running it for real
@@ -1284,9 +1289,6 @@ class NatureActorCritic(nn.Module):
 class RunConfig(AtariConfig):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where JAX runs (`auto`: a GPU when JAX finds one)."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """Atari: arithmetic of the torso's products, its convolutions and 512-unit layer (`auto`: bfloat16
-    on a CPU with AMX or AVX-512 BF16, float32 elsewhere); the heads, and every other network, are float32."""
     run_dir: str | None = None
     """Where TensorBoard events and checkpoints go (default: runs/<env>__<seed>__<time>)."""
     checkpoint_every: int = 100
@@ -1521,12 +1523,6 @@ GYMNAX_FAMILIES = {
 }
 
 
-def atari_ids() -> list[str]:
-    """Every Atari id gymnasium knows once ale-py has registered its games."""
-    gym.register_envs(ale_py)
-    return sorted(env_id for env_id, spec in gym.registry.items() if spec.entry_point == "ale_py.env:AtariEnv")
-
-
 def resolve_env(name: str) -> tuple[str, str]:
     """The id and family of the environment named `name`, or a `ConfigError` suggesting close names.
 
@@ -1547,7 +1543,13 @@ def resolve_env(name: str) -> tuple[str, str]:
     close = difflib.get_close_matches(name, list(GYMNAX_FAMILIES) + list(short_names) + ids, n=3, cutoff=0.6)
     hint = (f"; did you mean {', '.join(close)}?" if close
             else "; names look like CartPole-v1, Breakout-MinAtar or Breakout (Atari)")
+    if not ids:
+        hint += " (Atari games need ale-py, which is not installed)"
     raise ConfigError(f"unknown environment {name!r}{hint}")
+
+
+# Flags of earlier versions, and why they are gone: a script or a habit that still passes one is told so.
+REMOVED_FLAGS = {"--precision": "the networks compute in float32 on every device (Hardware choices, in the page)"}
 
 
 def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, str]:
@@ -1556,6 +1558,9 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
     A new run starts from its environment's preset; a resumed or evaluated run from the
     checkpoint's hyperparameters. Flags given on the command line override either.
     """
+    for flag, why in REMOVED_FLAGS.items():
+        if any(arg == flag or arg.startswith(flag + "=") for arg in (sys.argv[1:] if argv is None else argv)):
+            raise ConfigError(f"{flag} is gone: {why}")
     given = vars(build_parser().parse_args(argv))
     checkpoint = None
     base: dict[str, Any] = {}
@@ -1586,347 +1591,50 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 
 # ### Hardware choices
 #
-# Five choices in Part 1 are made for XLA's CPU backend. The first four hold on every backend, so
-# that the program, and what it computes, is the same everywhere; the last, the torso's precision,
-# is made per machine, as `ppo_atari.py` makes it:
+# Part 1 is written for every backend alike. Two things are chosen here for XLA's CPU backend:
 #
-# * **Convolutions as matrix products.** Inside a loop, and the update is two nested scans, XLA's
-#   CPU backend computes a convolution's gradient with a generic, unoptimised kernel (jax-ml/jax
-#   issue 12868). Measured here with jaxlib 0.10.2, one gradient step of the Nature CNN on 256
-#   frames took 3.67 s inside a scan against 0.46 s outside it; as a matrix product over the windows
-#   of the input (`patches`) it takes 0.13 s inside a scan and 0.17 s outside (`python
-#   benchmarks/ppo_jax_profile.py --convolutions`). The networks' convolutions are therefore
-#   `Convolution`, below: the same function as flax's `nn.Conv`, computed another way. The Nature
-#   CNN's 512-unit layer, which reads the last 7 x 7 x 64 map flattened, is `nn.Dense`'s product
-#   with its gradients written out (`rows_product`), so that they take the forms of the next item
-#   too. Another
-#   way of computing the first layer was slower, measured with the former layout (next item): one
-#   product over the unshifted input whose outputs are shifted and summed (the first layer's
-#   gradient alone twice as slow: 0.28 s for 256 frames against 0.14 s).
-# * **Channels first, each window a column.** A layer's matrix product comes three times in a
-#   gradient step: in the forward pass, and in the backward pass for the gradient with respect to
-#   the layer's input and for the one with respect to its weights. jaxlib 0.10.2's CPU backend gives
-#   a product to its fast library, YNNPACK, in some layouts of the operands, and to Eigen, slower
-#   here, in the others. With the channels last, as flax lays a batch out, each window is a row
-#   (`[N, K]`: N windows of K values), and the weight gradient, as autodiff writes it, contracts the
-#   first axis of both operands; XLA gave it to Eigen, and it took 53 ms of a minibatch's 116 ms of
-#   products. With the channels first, each window a column (`[K, N]`), all three products can be
-#   written in forms XLA gives to YNNPACK, and `columns_product` writes its gradients out in them:
-#   the weight gradient contracts the last axes of the windows and of the output's gradient. The
-#   products now take 76 ms a minibatch (forward 32, input gradients 17, weight gradients 27), and
-#   an update of 8 games x 128 steps 2.09 s against 2.92 s with the channels last
-#   (`python benchmarks/ppo_jax_speed.py --part atari`, the two versions one after the other). The
-#   networks compute the same function from the same parameters, initialised alike: `Convolution`
-#   keeps `dense`'s parameter names and shapes, the Nature CNN's 512-unit layer reads its map
-#   flattened as a channels-last map is, the MinAtar CNN lays its convolution's output
-#   channels last again before flattening it, and a test checks both CNNs against their
-#   channels-last definitions written with flax's `nn.Conv`. Atari's frames arrive channels first in
-#   any case. A profile of that update (`python benchmarks/ppo_jax_profile.py`, 16 minibatches of
-#   256 frames in 2.1 s) put 58% of it in the products, 30% in the copies that build the windows
-#   (23% for the first layer's alone) and 12% in the rest. With the minibatches cut from one
-#   shuffled copy (two items down), and still with the batch first (next item), the float32 update
-#   took 1.74 s under the profiler: 71 ms a minibatch in the products, all of them in YNNPACK, 17 ms
-#   in the windows' copies and 21 ms in the rest.
-# * **The batch last.** The maps between the layers are laid out `[C, H, W, N]`: channels, rows,
-#   columns, then the batch, where flax (and PyTorch) put the batch first. The windows are the same
-#   columns in another order, but the copies that build them are not the same work. A shifted slice
-#   of a `[C, N, H, W]` map is a run of a few pixels (7 to 20) per row of each frame, and XLA's loop
-#   that gathers those runs, strided as well for the layers with a stride, ran well below the speed
-#   of a plain copy; a shifted slice of a `[C, H, W, N]` map is a run of whole rows of pixels times
-#   the batch (thousands of values), which it copies at close to memory speed. Folding a gradient
-#   back into a map is the same work in reverse. Measured on the update of 8 games x 128 steps in
-#   bfloat16, the two layouts alternated in one process (a scratch script outside git, medians of
-#   8): 1.37, 1.42 and 1.41 s with the batch first against 1.24, 1.23 and 1.22 s with it last, over
-#   three runs, and 1.52 against 1.45 s later, the machine busier (the commits before and after,
-#   medians of 6). Under the profiler, the second layer's windows took 2.0 ms a minibatch against
-#   5.0, the third's 2.2 against 5.4, and folding the second layer's gradient back 1.8 against 3.1.
-#   The first layer's windows are built from the frames themselves, and in the update they got
-#   cheaper only once the frames too reached it batch last (next item). In float32 the two layouts
-#   were within the noise of each other: 1.83 s against 1.94 s, 1.97 against 1.88 and 1.94 against
-#   1.93 in three alternated runs (batch first, then last), and 2.00 s against 1.94 s under the
-#   profiler. The frames enter the torso batch first, as the vector env writes them and every other
-#   network here takes its input, and the map leaves it batch first, flattened channels last
-#   (`NatureActorCritic`); the parameters are unchanged.
-# * **Minibatches cut from one shuffled copy of the batch, at fixed indices.** Each epoch shuffles
-#   the batch once and cuts it into minibatches, as PureJaxRL does, rather than gathering each
-#   minibatch's frames from the batch as it is used. XLA fused such a gather into the copies that
-#   build the first layer's windows, which then took 26 ms a minibatch in float32, against 8 ms with
-#   the shuffled copy (the update profiled as `python benchmarks/ppo_jax_profile.py` profiles it).
-#   Two more things keep those copies fast, both for images only (`images` in `make_update_agent`;
-#   vectors are scanned over as they are). The shuffled copy holds the frames batch last, each
-#   minibatch `[4, 84, 84, N]`, and the network's move of the batch to the end cancels the update's
-#   move of it back to the front, so the windows are cut from frames laid out as the maps after them
-#   are (previous item). And the scan runs over the minibatches' indices, each minibatch taken by
-#   `lax.switch` among slices cut at indices fixed when the program is compiled: a scan over the
-#   minibatches themselves reads each one at an index known only when it runs, and XLA fused that
-#   dynamic slice into the loop that builds the windows, which then ran at a fraction of a copy's
-#   speed (in a small program, 15 to 24 ms reading a slice at a traced index against 2.3 ms at a
-#   fixed one). Either alone was not enough, measured in the update: with the frames batch last but
-#   read at the scan's index, the first layer's windows took 15 ms a minibatch (14 before); taken
-#   through `lax.switch` but batch first, 11 ms, XLA's layout assignment having laid the slice it
-#   copies out batch first, so that the loop moved the batch once more. Together, the bfloat16
-#   update of 8 games x 128 steps took 1.02 s against 1.14 s (the commits before and after
-#   alternated in one process, medians of 6), its losses and parameters the same to the bit. Under
-#   the profiler, the same hour, the first layer's windows took 2.0 ms a minibatch against 16.5 (the
-#   update 1.28 s against 1.58 s, on a busy machine); what the path for images adds is the copy that
-#   moves the frames' batch to the end, once an epoch, 2.7 ms a minibatch (in an update of 1.01 s on
-#   an idle machine). The minibatches, and what is computed from them, are the same; a test checks
-#   that an update from images equals one from the same images given as vectors.
-# * **bfloat16 on a CPU that multiplies in it, float32 elsewhere** (`--precision`, as
-#   `ppo_atari.py`'s). On a CPU with AMX or AVX-512 BF16, the torso's products (the three
-#   convolutions and the 512-unit layer) take their operands in bfloat16 and sum in float32; the
-#   parameters, the heads, the loss and Adam stay in float32. jaxlib 0.10.2's CPU backend keeps a
-#   bfloat16 product in bfloat16 only in some forms: its first operand a matrix of its own, laid
-#   out row by row, whose last axis is contracted, and its result float32. In other forms it
-#   converts the operands back to float32 first, so that bfloat16 only adds copies (a torso written
-#   like the float32 one made the update 3.7 s against 1.9 s), and one form tried for the dense
-#   layer failed when run ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32").
-#   `bfloat16_windows_product` and `rows_product` write their three products in the forms that
-#   stay in bfloat16. Three more things were needed. XLA's loops that copy bfloat16 values into
-#   windows were slower than its float32 ones (72 ms a minibatch for the first layer's, against
-#   30), so the windows are copied as their 16-bit patterns, integers to XLA. The frames enter the
-#   first layer as their integers, which bfloat16 holds exactly, its output scaled by 1/255
-#   afterwards (the same function; float32 does it too). And no bfloat16 product takes the
-#   512-unit layer's kernel transposed: XLA's transposition of its 1.6 million weights into
-#   bfloat16 took about 3 ms a minibatch, more than the layer's forward product (2.0 ms), where the same
-#   transposition in float32 took 0.5 ms. `rows_product` multiplies the rows of the flattened map by
-#   the kernel as it is stored, and copies the map a second time, as columns, for the kernel's
-#   gradient. Measured here (an AMD EPYC with AVX-512 BF16; `python
-#   benchmarks/ppo_jax_speed.py --part atari`, medians of 2), the update of 8 games x 128 steps took
-#   0.98 s in bfloat16 against 1.60 s in float32, and a whole iteration ran at 716 steps a second
-#   against 494. It learns as float32 does, as far as one seed shows (trained before the 512-unit
-#   layer took its kernel as stored, which computes the same products): seed 1 of Breakout in
-#   bfloat16 scored 11.3, 15.1, 19.4 and 23.2 (the real score of the last 100 games at 250k, 500k,
-#   750k and 1M steps, the 10M schedule), between the two float32 seeds of Part 1's curve (seed 1:
-#   11.5, 15.0, 19.0 and 27.4; seed 2: 11.2, 14.6, 18.6 and 19.0), whose mean at 1M is also 23.2.
-#   On a GPU, and on a CPU without bfloat16 in hardware, `auto` keeps float32.
+# * **Convolutions as products of windows, on a CPU.** Inside a loop, and the update is two nested
+#   scans, XLA's CPU backend computes `nn.Conv`'s gradient with a generic, unoptimised kernel
+#   (jax-ml/jax issue 12868): one gradient step of the Nature CNN on 256 frames took 3.67 s inside a
+#   scan against 0.46 s outside it, about 28 times as long as a product of the windows of its input
+#   takes (0.13 s). On a CPU the networks' convolution layer is therefore `PatchConv`: `nn.Conv`'s
+#   fields and parameters, its function computed as one matrix product over the windows of its
+#   input. On a GPU it is `nn.Conv`. A checkpoint moves between the two. The measurements, and the
+#   variants tried before this one, are in `benchmarks/README.md`.
 # * **Agents initialised one at a time.** Under `vmap` over seeds, `network.init` would factorise a
 #   batch of matrices at once for the orthogonal initialisation, and jaxlib 0.10.2's batched QR on
-#   the CPU can deadlock: its LAPACK kernel waits for sub-tasks on the thread pool that its own
-#   calls fill. On this project's 2-core CPU, initialising 16 CartPole agents hung within its first
-#   three calls in each of two tries, and so did a 16-seed benchmark. `make_train` therefore
-#   initialises the agents of a `vmap` in a loop, one matrix at a time (`sequential_vmap`). It runs
-#   once per training run, so the loop costs nothing, and each agent starts from the very weights it
-#   would start from alone (a test checks it).
+#   the CPU can deadlock (initialising 16 CartPole agents hung, on this project's 2-core CPU).
+#   `make_train` initialises the agents of a `vmap` in a loop, one matrix at a time
+#   (`sequential_vmap`): once per run, at no cost that matters, and each agent starts from the very
+#   weights it would start from alone (a test checks it).
 #
 # `choose_device` points JAX at the device asked for, before it computes anything.
 
 
-def patches(x: jax.Array, kernel: int, stride: int) -> jax.Array:
-    """`[C, H, W, ...] -> [kernel * kernel * C, H', W', ...]`: the `kernel x kernel` window under each output pixel.
+class PatchConv(nn.Conv):
+    """`nn.Conv` without padding, its parameters the same, computed as a matrix product over the windows of its input.
 
-    Channels come first, the batch last, and each window is a column. With a stride, each `stride x
-    stride` block of pixels is first folded into the channels ("space to depth"), which turns the
-    strided window into a `kernel / stride` window at stride 1; the windows are then `(kernel /
-    stride)^2` shifted slices, one above the other. A window's values are ordered by the block's
-    row and column, then the pixel's row and column within the block, then the channel.
+    A window's values are ordered by row, column and channel, the order of `nn.Conv`'s kernel
+    `[height, width, in, out]` flattened; the window under each output pixel is one strided slice of
+    the input per position in the kernel.
     """
-    if stride > 1:
-        channels, height, width, *batch = x.shape
-        height, width = height // stride, width // stride
-        x = x[:, :height * stride, :width * stride].reshape(channels, height, stride, width, stride, *batch)
-        x = x.transpose(2, 4, 0, 1, 3, *range(5, x.ndim)).reshape(stride * stride * channels, height, width, *batch)
-        kernel //= stride
-    height, width = x.shape[1] - kernel + 1, x.shape[2] - kernel + 1
-    return jnp.concatenate([x[:, i:i + height, j:j + width] for i in range(kernel) for j in range(kernel)], axis=0)
-
-
-@jax.custom_vjp
-def columns_product(kernel: jax.Array, columns: jax.Array) -> jax.Array:
-    """`kernel.T @ columns`, `[K, F]` and `[K, N]` to `[F, N]`: a dense layer applied to each column.
-
-    Its gradients are written out (below) so that each of the three products is in the form XLA's
-    CPU backend gives to YNNPACK (see Hardware choices): `kernel.T` is made a matrix of its own (the
-    barrier keeps XLA from folding the transposition into the product), and the weight gradient
-    contracts the last axes of the columns and of the output's gradient.
-    """
-    return jax.lax.optimization_barrier(kernel.T) @ columns
-
-
-def columns_product_forward(kernel: jax.Array, columns: jax.Array) -> tuple[jax.Array, tuple]:
-    """The product, and what its gradients need: both operands."""
-    return columns_product(kernel, columns), (kernel, columns)
-
-
-def columns_product_backward(saved: tuple, grad: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Given the output's gradient `grad` (`[F, N]`): the kernel's, `columns @ grad.T`, and the columns', `kernel @ grad`."""
-    kernel, columns = saved
-    kernel_grad = jax.lax.dot_general(columns, grad, (((1,), (1,)), ((), ())))  # [K, N] with [F, N] -> [K, F]
-    return kernel_grad, kernel @ grad
-
-
-columns_product.defvjp(columns_product_forward, columns_product_backward)
-
-
-def windows_product(kernel: jax.Array, x: jax.Array, size: int, stride: int) -> jax.Array:
-    """A dense layer's `kernel` applied to every `size x size` window of `x`: `[C, H, W, ...] -> [F, H', W', ...]`.
-
-    In float32; `x` may be integers (Atari's frames), converted as their windows are built.
-    """
-    windows = patches(x, size, stride)
-    columns = windows.reshape(windows.shape[0], -1).astype(jnp.float32)
-    return columns_product(kernel, columns).reshape(kernel.shape[1], *windows.shape[1:])
-
-
-def row_major(matrix: jax.Array, dtype: Any = jnp.bfloat16) -> jax.Array:
-    """`matrix` in `dtype`, copied into a matrix of its own laid out row by row (why: see Hardware choices).
-
-    Going through one axis fixes the layout, rows one after the other, and the barrier keeps XLA
-    from folding a transposition into the product that uses the matrix.
-    """
-    return jax.lax.optimization_barrier(matrix.astype(dtype).reshape(-1)).reshape(matrix.shape)
-
-
-def matrix_product(a: jax.Array, b: jax.Array, contract: int) -> jax.Array:
-    """`a`'s last axis contracted with `b`'s axis `contract`, in the operands' precision, the sums and the result in float32."""
-    return jax.lax.dot_general(a, b, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def bfloat16_windows_product(kernel: jax.Array, x: jax.Array, size: int, stride: int) -> jax.Array:
-    """`windows_product` with its three products in bfloat16, their sums in float32; the output float32.
-
-    `x` is float32, or integers that bfloat16 holds exactly (Atari's frames, 0 to 255). It is
-    rounded to bfloat16 before its windows are built, which are then copies of 16-bit patterns, as
-    fast in XLA as copies of integers; a float input's gradient is folded back from the windows' in
-    float32 (why: see Hardware choices).
-    """
-    return bfloat16_windows_product_forward(kernel, x, size, stride)[0]
-
-
-def bfloat16_windows_product_forward(kernel: jax.Array, x: jax.Array, size: int, stride: int) -> tuple[jax.Array, tuple]:
-    """The product, and what its gradients need: the kernel and the windows in bfloat16, and `x`."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-    windows = jax.lax.bitcast_convert_type(patches(bits, size, stride), jnp.bfloat16)
-    columns = windows.reshape(windows.shape[0], -1)
-    outputs = matrix_product(row_major(kernel.T), columns, 0)  # [F, K] with [K, N] -> [F, N]
-    return outputs.reshape(kernel.shape[1], *windows.shape[1:]), (row_major(kernel), columns, x)
-
-
-def bfloat16_windows_product_backward(size: int, stride: int, saved: tuple, grad: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Given the output's gradient `grad`, the kernel's (`columns @ grad.T`) and `x`'s (`kernel @ grad`, folded back)."""
-    kernel, columns, x = saved
-    grad = grad.reshape(grad.shape[0], -1).astype(jnp.bfloat16)
-    kernel_grad = matrix_product(columns, grad, 1)  # [K, N] with [F, N] -> [K, F]
-    if jnp.issubdtype(x.dtype, jnp.integer):  # frames: no gradient
-        return kernel_grad, np.zeros(x.shape, jax.dtypes.float0)
-    windows_grad = matrix_product(kernel, grad, 0)  # [K, F] with [F, N] -> [K, N]
-    windows, fold_back = jax.vjp(lambda x: patches(x, size, stride), x)
-    return kernel_grad, fold_back(windows_grad.reshape(windows.shape))[0]
-
-
-bfloat16_windows_product.defvjp(bfloat16_windows_product_forward, bfloat16_windows_product_backward)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def rows_product(x: jax.Array, kernel: jax.Array, dtype: Any) -> jax.Array:
-    """`x @ kernel`, `[N, K]` and `[K, F]` to `[N, F]`: a dense layer applied to each row, its three
-    products in `dtype` (float32 or bfloat16), summed in float32; `x` and the output float32.
-
-    The 512-unit layer's. Its gradients are written out in the forms XLA gives to YNNPACK and
-    keeps in bfloat16 (see Hardware choices): every product takes the kernel as it is stored, and
-    `x` is copied once more, as columns, for the kernel's gradient. A transposed kernel would be a
-    bfloat16 copy of 1.6 million weights at every minibatch, which took longer than the forward
-    product itself.
-    """
-    return matrix_product(row_major(x, dtype), kernel.astype(dtype), 0)
-
-
-def rows_product_forward(x: jax.Array, kernel: jax.Array, dtype: Any) -> tuple[jax.Array, tuple]:
-    """The product, and what its gradients need: the kernel and `x`'s columns (`x.T`), in `dtype`."""
-    return rows_product(x, kernel, dtype), (kernel.astype(dtype), row_major(x.T, dtype))
-
-
-def rows_product_backward(dtype: Any, saved: tuple, grad: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Given the output's gradient `grad` (`[N, F]`): `x`'s, `grad @ kernel.T`, and the kernel's, `x.T @ grad`."""
-    kernel, columns = saved
-    grad = grad.astype(dtype)
-    return matrix_product(grad, kernel, 1), matrix_product(columns, grad, 0)  # [N, F] with [K, F]; [K, N] with [N, F]
-
-
-rows_product.defvjp(rows_product_forward, rows_product_backward)
-
-
-class RowsDense(nn.Dense):
-    """`nn.Dense`, with the same parameters and function, its products in `dtype` (float32 or
-    bfloat16) through `rows_product`; the output float32."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
+        (height, width), (row_stride, column_stride) = self.kernel_size, self.strides
+        kernel = self.param("kernel", self.kernel_init, (height, width, x.shape[-1], self.features), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-        rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-        return rows_product(rows, kernel, self.dtype or jnp.float32).reshape(*x.shape[:-1], self.features) + bias
+        rows = (x.shape[-3] - height) // row_stride + 1
+        columns = (x.shape[-2] - width) // column_stride + 1
+        windows = jnp.concatenate([x[..., i:i + row_stride * (rows - 1) + 1:row_stride,
+                                     j:j + column_stride * (columns - 1) + 1:column_stride, :]
+                                   for i in range(height) for j in range(width)], axis=-1)
+        return windows @ kernel.reshape(-1, self.features) + bias
 
 
-class WindowsDense(nn.Dense):
-    """`nn.Dense`, with the same parameters, applied to every `window x window` window of an image laid
-    out channels first and batch last: `[C, H, W, ...] -> [features, H', W', ...]`, its products in
-    `dtype` (float32 or bfloat16).
-
-    `scale` multiplies the products before the bias is added: the input scaled by it, folded into
-    the output (the product is linear).
-    """
-
-    window: int = 1
-    stride: int = 1
-    scale: float = 1.0
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", self.kernel_init, (self.window ** 2 * x.shape[0], self.features), self.param_dtype)
-        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-        product = bfloat16_windows_product if self.dtype == jnp.bfloat16 else windows_product
-        outputs = product(kernel, x, self.window, self.stride)
-        if self.scale != 1.0:
-            outputs = outputs * self.scale
-        return outputs + bias.reshape(-1, *[1] * (outputs.ndim - 1))
-
-
-class Convolution(nn.Module):
-    r"""A convolution without padding, channels first and batch last: `[C, H, W, ...] -> [features, H', W', ...]`.
-
-    The same function as `nn.Conv(features, (kernel, kernel), strides=stride, padding="VALID")` on
-    channels-last images, computed as a dense layer applied to every window of the input, a matrix
-    product over `patches` (why: see above). The weights are `dense`'s, initialised alike (gain
-    $\sqrt 2$), with the same names and shapes; `kernel` must be a multiple of `stride`, as it is
-    in both networks that use it, Part 1's MinAtar CNN and Part 2's Nature CNN. With `dtype`
-    bfloat16 the products compute in bfloat16 and sum in float32 (`--precision`); the parameters
-    and the output stay float32. `scale` multiplies the products before the bias: the input scaled.
-    """
-
-    features: int
-    kernel: int
-    stride: int = 1
-    dtype: Any = jnp.float32
-    scale: float = 1.0
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return dense(self.features, name="Dense_0", layer=WindowsDense, window=self.kernel, stride=self.stride,
-                     dtype=self.dtype, scale=self.scale)(x)
-
-
-def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware: Intel's AMX (`amx_bf16`) or AVX-512 BF16
-    (`avx512_bf16`: AMD Zen 4 and later, some Intel Xeons), read from /proc/cpuinfo."""
-    try:
-        flags = set((Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo).split())
-    except OSError:
-        return False
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
-
-
-def atari_dtype(precision: str) -> Any:
-    """What the Nature CNN's torso computes its products in, for `--precision` on the device JAX now uses.
-
-    `auto` takes bfloat16 where it shortens training: on a CPU that multiplies in it natively (see
-    Hardware choices), as `ppo_atari.py`'s `auto` does. On a GPU, and on a CPU without it, `auto`
-    keeps float32.
-    """
-    if precision == "auto":
-        return jnp.bfloat16 if jax.default_backend() == "cpu" and cpu_has_fast_bf16() else jnp.float32
-    return jnp.bfloat16 if precision == "bf16" else jnp.float32
+def convolution_layer() -> Callable[..., nn.Module]:
+    """The networks' convolution layer on the backend JAX now uses: `PatchConv` on a CPU, `nn.Conv` elsewhere."""
+    return PatchConv if jax.default_backend() == "cpu" else nn.Conv
 
 
 def choose_device(requested: str) -> str:
@@ -2024,6 +1732,11 @@ def load_checkpoint(path: str) -> dict:
                 raise ConfigError(f"checkpoint {path} has no {'.'.join(names)}: it is damaged, or from another "
                                   f"version of {PROG}")
             node = node[name]
+    layers = checkpoint["runners"]["agent"]["params"].get("params", {})
+    if isinstance(layers, dict) and any(name.startswith("Convolution_") for name in layers):
+        raise ConfigError(f"checkpoint {path} was written before {PROG}'s convolutions became flax's nn.Conv, and "
+                          "holds their weights in another layout (Convolution_0/Dense_0); this version cannot "
+                          "load it: train again, or use the version that wrote it")
     return checkpoint
 
 
@@ -2098,20 +1811,26 @@ class EventWriter:
             self.writer.close()
 
 
-def log_update(writer: EventWriter, metrics: dict[str, float], step: int) -> None:
-    """The schedules of one update, and every term of its loss that `update_agent` averaged, as `losses/<name>`."""
-    writer.add_scalar("charts/learning_rate", metrics["learning_rate"], step)
-    writer.add_scalar("charts/clip_range", metrics["clip_range"], step)
-    for name, value in metrics["losses"].items():
-        writer.add_scalar(f"losses/{name}", value, step)
+def scalars_of(metrics: dict) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """A chunk's metrics as TensorBoard scalars: `{tag: [updates, agents]}`, and `[updates, agents]`, whether each
+    agent ended an episode in each update (the `charts/episodic_*` tags mean something only where one did).
+
+    The tags are the schedules, every term of the loss that `update_agent` averaged (`losses/<name>`),
+    and the mean return and length of an update's episodes with the mean return of the last 100
+    (see `SCORE_WINDOW`).
+    """
+    tags = {"charts/learning_rate": metrics["learning_rate"], "charts/clip_range": metrics["clip_range"],
+            **{f"losses/{name}": value for name, value in metrics["losses"].items()},
+            "charts/episodic_return": metrics["episodic_return"], "charts/episodic_length": metrics["episodic_length"],
+            "charts/episodic_return_last_100": metrics["recent_return"]}
+    return {tag: np.asarray(value, np.float64) for tag, value in tags.items()}, metrics["episodes"] > 0
 
 
-def log_episodes(writer: EventWriter, episodic_return: float, episodic_length: float, recent_return: float,
-                 step: int) -> None:
-    """The mean return and length of an update's episodes, and the mean return of the last 100 (see `SCORE_WINDOW`)."""
-    writer.add_scalar("charts/episodic_return", episodic_return, step)
-    writer.add_scalar("charts/episodic_length", episodic_length, step)
-    writer.add_scalar("charts/episodic_return_last_100", recent_return, step)
+def spread(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The mean, smallest and largest of each row's defined values (NaN where it has none), as three arrays."""
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a row of NaN: NaN, said out loud
+        return np.nanmean(values, axis=1), np.nanmin(values, axis=1), np.nanmax(values, axis=1)
 
 
 class Progress:
@@ -2332,8 +2051,7 @@ def lock_run_dir(directory: Path) -> typing.IO:
 class Run:
     """The run directory, its lock, TensorBoard writers and checkpoint, and how a run ends."""
 
-    def __init__(self, config: RunConfig, env_id: str, checkpoint: dict | None, stop: SignalThread,
-                 seed_writers: int = 0):
+    def __init__(self, config: RunConfig, env_id: str, checkpoint: dict | None, stop: SignalThread):
         if checkpoint is not None:
             self.dir = Path(config.run_dir or Path(config.resume).parent)
         elif config.run_dir:
@@ -2364,22 +2082,25 @@ class Run:
             print(f"--total-timesteps {config.total_timesteps:,} is not a whole number of batches of "
                   f"{config.batch_size:,} steps: the run ends after {config.num_updates:,} updates, at "
                   f"{self.total_steps:,} steps", file=sys.stderr)
-        self.seed_writers = seed_writers
         self.writer: EventWriter | None = None
         self.writers: list[EventWriter] = []
+        self.agents_file: typing.BinaryIO | None = None
         self.tracking = None
 
     def open_writers(self) -> None:
-        """The run's writer (the mean over agents) and, for several agents, one per agent in `agent-<i>/`.
-
-        TensorBoard shows each directory as a run of its own, so every agent's curves and their
-        mean appear under the same tags.
-        """
+        """The run's writer and, for several agents, the file of every agent's series and a writer for each of
+        the first `AGENT_WRITERS`, in `agent-<i>/` (see `log_chunk`)."""
         if self.config.track:  # before the writers, so that wandb sees their events
             self.tracking = start_tracking(self.config, self.dir.name)
         threads = set(threading.enumerate())
         self.writer = EventWriter(self.dir)
-        self.writers = [EventWriter(self.dir / f"agent-{i}") for i in range(self.seed_writers)]
+        if self.config.num_seeds > 1:
+            self.writers = [EventWriter(self.dir / f"agent-{i}") for i in range(min(self.config.num_seeds,
+                                                                                    AGENT_WRITERS))]
+            try:
+                self.agents_file = open(self.dir / AGENTS_FILE, "ab")
+            except OSError as error:
+                raise naming(error, self.dir / AGENTS_FILE) from error
         self.writer_threads = set(threading.enumerate()) - threads
         self.excepthook = threading.excepthook
         threading.excepthook = self.writer_thread_failed
@@ -2398,6 +2119,12 @@ class Run:
         writers = [writer for writer in [self.writer, *self.writers] if writer is not None]
         self.writer, self.writers = None, []
         errors = []
+        if self.agents_file is not None:
+            try:
+                self.agents_file.close()
+            except OSError as error:
+                errors.append(naming(error, self.dir / AGENTS_FILE))
+            self.agents_file = None
         for writer in writers:
             try:
                 writer.close()
@@ -2504,9 +2231,8 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, stop
     configuration its compilation.)
     """
     choose_device(config.device)
-    run = Run(config, env_id, checkpoint, stop, seed_writers=config.num_seeds if config.num_seeds > 1 else 0)
-    dtype = atari_dtype(config.precision)
-    training = make_train(config, env_id, dtype)
+    run = Run(config, env_id, checkpoint, stop)
+    training = make_train(config, env_id, convolution_layer())
     keys = agent_keys(config)
     if checkpoint is None:
         runners = jax.jit(jax.vmap(training.init))(keys)
@@ -2531,35 +2257,38 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, stop
     started = time.perf_counter()
     length = min(config.checkpoint_every, config.num_updates, LONGEST_CHUNK)
     train_chunk = compile_train_chunk(training, length, runners, mesh)
-    torso = f" ({'bfloat16' if dtype == jnp.bfloat16 else 'float32'} torso)" if isinstance(training.env, AtariEnv) else ""
-    print(f"{env_id}: {config.num_seeds} agent(s){torso}, compiled in {time.perf_counter() - started:.1f} s; "
+    print(f"{env_id}: {config.num_seeds} agent(s), compiled in {time.perf_counter() - started:.1f} s; "
           f"logs and checkpoints in {run.dir}", file=sys.stderr)
     run.open_writers()
     progress.restart()
 
+    def dispatch(count: int) -> tuple[int, float, tuple]:
+        """Start the next chunk, of at most `count` updates, and return at once: JAX computes it meanwhile."""
+        count = min(count, config.checkpoint_every - update % config.checkpoint_every, config.num_updates - update)
+        return count, time.perf_counter(), train_chunk(runners, jnp.int32(count))
+
     def loop(stop: StopRequest) -> None:
         nonlocal runners, update
-        count = 1  # the first chunk: one update, to time it
-        while update < config.num_updates and not stop():
-            count = min(count, config.checkpoint_every - update % config.checkpoint_every, config.num_updates - update)
-            chunk_started = time.perf_counter()
-            new_runners, metrics = train_chunk(runners, jnp.int32(count))
-            metrics = jax.tree.map(lambda value: value[:count], jax.device_get(metrics))  # [count, agents]
-            seconds = time.perf_counter() - chunk_started
+        chunk = dispatch(1)  # the first chunk: one update, to time it
+        while chunk is not None:
+            count, dispatched, (new_runners, metrics) = chunk
+            metrics = jax.tree.map(lambda value: value[:count], jax.device_get(metrics))  # [count, agents]: waits
+            seconds = time.perf_counter() - dispatched
             broken = np.argwhere(metrics["diverged"])
             if broken.size:
                 at, agent = broken[0]
                 raise DivergedError.at(update + at + 1, float(metrics["largest_step"][at, agent]), agent)
-            runners = new_runners
-            log_gymnax_updates(run, metrics, update, config.batch_size,
-                               count * config.batch_size * config.num_seeds / seconds)
-            update += count
+            runners, first_update, update = new_runners, update, update + count
+            # The next chunk (as many updates as fit in `CHUNK_SECONDS` at this one's speed) starts
+            # before this one is logged, so that the device computes while the host writes.
+            chunk = None if update >= config.num_updates or stop() else dispatch(
+                max(1, min(length, int(CHUNK_SECONDS * count / seconds))))
+            log_chunk(run, metrics, first_update, config.batch_size,
+                      count * config.batch_size * config.num_seeds / seconds)
             progress.score_of(metrics["recent_return"][-1], np.asarray(runners.episodes))
             progress.show(update * config.batch_size)
             if update % config.checkpoint_every == 0:
                 save()
-            # The next chunk: as many updates as fit in `CHUNK_SECONDS` at this chunk's speed.
-            count = max(1, min(length, int(CHUNK_SECONDS * count / seconds)))
 
     def save() -> None:
         run.write_checkpoint(checkpoint_state(config, env_id, update, update * config.batch_size,
@@ -2577,23 +2306,82 @@ def mean_over_agents(values: np.ndarray) -> float:
     return float(np.nanmean(values)) if np.isfinite(values).any() else float("nan")
 
 
-def log_gymnax_updates(run: Run, metrics: dict[str, np.ndarray], first_update: int, batch_size: int,
-                       sps: float) -> None:
-    """Metrics of `[updates, agents]`: each agent's in its own writer, their mean in the run's."""
-    for index in range(len(metrics["episodes"])):
-        step = (first_update + index + 1) * batch_size
-        per_agent = jax.tree.map(lambda value: value[index], metrics)
+# The agents' series: their mean, smallest and largest in the run's writer, every agent's in one
+# file, and the first few agents' in writers of their own, so that the work between chunks does not
+# grow with the number of agents (a writer per agent, with its thread, did).
+AGENT_WRITERS = 16
+"""Agents (the first) whose series also get a TensorBoard writer of their own, in `agent-<i>/`."""
+AGENTS_FILE = "agents.npys"
+"""Every agent's series, in the run directory: one `.npy` record a chunk, appended (`read_agent_series` reads them)."""
+
+
+def log_chunk(run: Run, metrics: dict[str, np.ndarray], first_update: int, batch_size: int, sps: float) -> None:
+    """Log a chunk's metrics, `[updates, agents]`, each update at its step.
+
+    With one agent, its series go to the run's writer. With several, the run's writer gets each
+    tag's mean over the agents, under the tag, and their smallest and largest, under `<tag>/min` and
+    `<tag>/max`; an episode's tag counts the agents that ended one in that update. Every agent's
+    metrics go to `AGENTS_FILE`, and the first `AGENT_WRITERS` agents' to writers of their own.
+    """
+    updates = len(metrics["episodes"])
+    steps = (first_update + 1 + np.arange(updates)) * batch_size
+    tags, ended = scalars_of(metrics)
+    episode_tags = {"charts/episodic_return", "charts/episodic_length", "charts/episodic_return_last_100"}
+    for tag, values in tags.items():
+        if tag in episode_tags:
+            values = np.where(ended, values, np.nan)
+        mean, smallest, largest = spread(values)
+        for index, step in enumerate(steps):
+            if tag in episode_tags and not ended[index].any():
+                continue
+            run.writer.add_scalar(tag, mean[index], step)
+            if values.shape[1] > 1:
+                run.writer.add_scalar(f"{tag}/min", smallest[index], step)
+                run.writer.add_scalar(f"{tag}/max", largest[index], step)
         for agent, writer in enumerate(run.writers):
-            log_update(writer, jax.tree.map(lambda value: value[agent], per_agent), step)
-            if per_agent["episodes"][agent]:
-                log_episodes(writer, per_agent["episodic_return"][agent], per_agent["episodic_length"][agent],
-                             per_agent["recent_return"][agent], step)
-        log_update(run.writer, jax.tree.map(mean_over_agents, per_agent), step)
-        if per_agent["episodes"].any():
-            log_episodes(run.writer, mean_over_agents(per_agent["episodic_return"]),
-                         mean_over_agents(per_agent["episodic_length"]), mean_over_agents(per_agent["recent_return"]),
-                         step)
-    run.writer.add_scalar("charts/SPS", sps, step)
+            for index, step in enumerate(steps):
+                if tag not in episode_tags or ended[index, agent]:
+                    writer.add_scalar(tag, values[index, agent], step)
+    run.writer.add_scalar("charts/SPS", sps, steps[-1])
+    if run.agents_file is not None:
+        write_agent_series(run.agents_file, steps, metrics, run.dir / AGENTS_FILE)
+
+
+def write_agent_series(file: typing.BinaryIO, steps: np.ndarray, metrics: dict, path: Path) -> None:
+    """Append a chunk's metrics to `file` as one `.npy` record: per update, its step and each metric of every agent."""
+    leaves = {jax.tree_util.keystr(where, simple=True, separator="/"): np.asarray(value)
+              for where, value in jax.tree_util.tree_leaves_with_path(metrics)}
+    records = np.zeros(len(steps), [("step", np.int64)] + [(name, value.dtype, value.shape[1:])
+                                                           for name, value in leaves.items()])
+    records["step"] = steps
+    for name, value in leaves.items():
+        records[name] = value
+    record = io.BytesIO()
+    np.save(record, records)
+    try:
+        file.write(record.getvalue())  # in one piece: a crash leaves whole records, and at worst a torn last one
+        file.flush()
+    except OSError as error:
+        raise naming(error, path) from error
+
+
+def read_agent_series(path: str | Path) -> dict[str, np.ndarray]:
+    """Every agent's series from a run's `AGENTS_FILE`: `{"step": [updates], name: [updates, agents], ...}`.
+
+    The names are the metrics' (`losses/policy_loss`, `episodic_return`, `episodes`, ...). A resumed
+    run writes again the updates after its checkpoint; each step is read as it was last written.
+    """
+    data = Path(path).read_bytes()
+    stream, chunks = io.BytesIO(data), []
+    while stream.tell() < len(data):
+        try:
+            chunks.append(np.load(stream))
+        except (ValueError, EOFError):
+            break  # a last record torn by a crash
+    records = np.concatenate(chunks)
+    _, last = np.unique(records["step"][::-1], return_index=True)
+    records = records[len(records) - 1 - last]
+    return {name: records[name] for name in records.dtype.names}
 
 
 # ### Experiment tracking
@@ -2699,7 +2487,7 @@ def make_evaluate(network: nn.Module, env: BatchedEnv, record: bool = False) -> 
 def evaluate_compiled(config: RunConfig, env_id: str, checkpoint: dict) -> np.ndarray:
     """`[agents, eval_episodes]` returns of the checkpoint's agents (on Atari, the scores of whole games)."""
     choose_device(config.device)
-    training = make_train(config, env_id, atari_dtype(config.precision))
+    training = make_train(config, env_id, convolution_layer())
     # Each agent's parameters and, for continuous actions, the statistics its observations were normalised by.
     template = jax.eval_shape(jax.vmap(training.init), agent_keys(config))
     params = restore_tree(template.agent.params, checkpoint["runners"]["agent"]["params"], config.eval)
@@ -2778,6 +2566,7 @@ def record_atari(config: RunConfig, env: AtariEnv, network: nn.Module, params: A
     screen's size, with the same settings and seeds, stepped with the same actions, plays the very
     same games (the emulator is deterministic), and its frames are the video's.
     """
+    import cv2
     from ale_py.vector_env import AtariVectorEnv
 
     twin = AtariVectorEnv(env.game, env.num_envs, stack_num=1, grayscale=False, img_height=210, img_width=160,

@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import ppo_jax
 from conftest import ROOT
-from ppo_jax_runs import SCRIPT, Watched, environment, read_checkpoint, run, scalars  # noqa: F401 (fixtures)
+from ppo_jax_runs import SCRIPT, Watched, environment, patched, read_checkpoint, run, scalars  # noqa: F401 (fixtures)
 from videos import assert_plays
 
 TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/episodic_return_last_100", "charts/learning_rate", "charts/clip_range",
@@ -57,6 +57,87 @@ def test_training_leaves_events_per_agent_and_their_mean(trained):
     assert "compiled in" in result.stderr
 
 
+def test_the_run_logs_the_agents_spread_and_every_agent_in_one_file(trained):
+    run_dir, _ = trained
+    mean, agents = scalars(run_dir), [scalars(run_dir / f"agent-{i}") for i in range(2)]
+    # Beside each tag's mean, the smallest and largest agent's value.
+    for tag in ["losses/value_loss", "losses/entropy"]:
+        values = np.array([[value for _, value in agent[tag]] for agent in agents])
+        np.testing.assert_allclose([value for _, value in mean[f"{tag}/min"]], values.min(axis=0), rtol=1e-6)
+        np.testing.assert_allclose([value for _, value in mean[f"{tag}/max"]], values.max(axis=0), rtol=1e-6)
+    # An episode's tags, over the agents that ended one in that update.
+    returns = [dict(agent["charts/episodic_return"]) for agent in agents]
+    for step, value in mean["charts/episodic_return/max"]:
+        assert value == max(agent[step] for agent in returns if step in agent)
+    # Every agent's series, in one file, as the agents' own writers have them.
+    series = ppo_jax.read_agent_series(run_dir / ppo_jax.AGENTS_FILE)
+    assert series["step"].tolist() == [256 * (u + 1) for u in range(16)]
+    assert series["losses/policy_loss"].shape == (16, 2) and series["episodes"].shape == (16, 2)
+    for agent in range(2):
+        np.testing.assert_allclose(series["losses/policy_loss"][:, agent],
+                                   [value for _, value in agents[agent]["losses/policy_loss"]], rtol=1e-6)
+        ended = series["episodes"][:, agent] > 0
+        np.testing.assert_allclose(series["episodic_return"][ended, agent],
+                                   [value for _, value in agents[agent]["charts/episodic_return"]], rtol=1e-6)
+
+
+def test_only_the_first_agents_get_writers_of_their_own(environment, tmp_path):
+    # Three agents, writers for the first only: the work between chunks does not grow with the agents.
+    result = subprocess.run(patched("ppo_jax.AGENT_WRITERS = 1") + [*map(str, SMALL), "--num-seeds", "3",
+                                                                   "--run-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=environment)
+    assert result.returncode == 0, result.stderr
+    assert sorted(path.name for path in tmp_path.glob("agent-*")) == ["agent-0"]
+    series = ppo_jax.read_agent_series(tmp_path / ppo_jax.AGENTS_FILE)
+    assert series["losses/value_loss"].shape == (16, 3)
+    np.testing.assert_allclose([value for _, value in scalars(tmp_path)["losses/value_loss"]],
+                               series["losses/value_loss"].mean(axis=1), rtol=1e-5)
+
+
+def test_the_next_chunk_is_computing_while_the_last_is_logged(monkeypatch, tmp_path):
+    # Each chunk is dispatched before the one before it is logged: the device works while the host writes.
+    events = []
+    compile_train_chunk = ppo_jax.compile_train_chunk
+
+    def recording(*args, **kwargs):
+        train_chunk = compile_train_chunk(*args, **kwargs)
+
+        def dispatched(runners, count):
+            events.append(("dispatch", int(count)))
+            return train_chunk(runners, count)
+
+        return dispatched
+
+    log_chunk = ppo_jax.log_chunk
+    monkeypatch.setattr(ppo_jax, "compile_train_chunk", recording)
+    monkeypatch.setattr(ppo_jax, "log_chunk", lambda run, metrics, *args: (
+        events.append(("log", len(metrics["episodes"]))), log_chunk(run, metrics, *args)))
+    monkeypatch.setattr(ppo_jax, "CHUNK_SECONDS", 0.0)  # chunks of one update each
+    assert ppo_jax.main([*map(str, SMALL), "--run-dir", str(tmp_path), "--total-timesteps", "1024"]) == 0
+    assert events == [("dispatch", 1), ("dispatch", 1), ("log", 1), ("dispatch", 1), ("log", 1),
+                      ("dispatch", 1), ("log", 1), ("log", 1)]
+    assert ppo_jax.read_agent_series(tmp_path / ppo_jax.AGENTS_FILE)["step"].tolist() == [256, 512, 768, 1024]
+
+
+def test_a_checkpoint_of_the_former_convolutions_and_the_former_precision_flag_are_refused(trained, tmp_path, capsys):
+    run_dir, _ = trained
+    checkpoint = read_checkpoint(run_dir / "checkpoint.msgpack")
+    # The MinAtar CNN's parameters as the version before nn.Conv named and shaped them.
+    checkpoint["runners"]["agent"]["params"]["params"] = {
+        "Convolution_0": {"Dense_0": {"kernel": np.zeros((2, 36, 16), np.float32), "bias": np.zeros((2, 16), np.float32)}},
+        "Dense_0": {"kernel": np.zeros((2, 1024, 128), np.float32), "bias": np.zeros((2, 128), np.float32)}}
+    checkpoint["env_id"] = checkpoint["config"]["env"] = "Breakout-MinAtar"
+    old = tmp_path / "old.msgpack"
+    old.write_bytes(flax.serialization.msgpack_serialize(checkpoint))
+    for flags in [["--eval", str(old)], ["--resume", str(old), "--run-dir", str(tmp_path / "resumed")]]:
+        assert ppo_jax.main(flags) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and f"checkpoint {old} was written before ppo_jax.py's convolutions" in error
+    assert ppo_jax.main(["--precision", "bf16"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--precision is gone: the networks compute in float32" in error
+
+
 def test_checkpoint_holds_every_agent_and_its_environments(trained):
     run_dir, _ = trained
     checkpoint = read_checkpoint(run_dir / "checkpoint.msgpack")
@@ -86,6 +167,9 @@ def test_resume_continues_on_schedule(trained, run, tmp_path):
     assert f"resumed at step 4,096 (update 16) from {run_dir / 'checkpoint.msgpack'}" in result.stderr
     rates = dict(scalars(tmp_path / "agent-0")["charts/learning_rate"])
     assert sorted(rates) == [256 * (u + 1) for u in range(16, 24)]  # updates 17 to 24 of 24
+    series = ppo_jax.read_agent_series(tmp_path / ppo_jax.AGENTS_FILE)
+    assert series["step"].tolist() == sorted(rates)
+    np.testing.assert_allclose(series["learning_rate"][:, 1], [rates[step] for step in sorted(rates)], rtol=1e-6)
     assert rates[256 * 17] == pytest.approx(2.5e-4 * (1 - 16 / 24))
     assert rates[256 * 24] == pytest.approx(2.5e-4 * (1 - 23 / 24))
     assert dict(scalars(tmp_path)["charts/clip_range"])[256 * 24] == pytest.approx(0.2 * (1 - 23 / 24))
@@ -210,7 +294,7 @@ def test_minatar_trains_and_evaluates(run, tmp_path):
     # The MinAtar preset, but for the flags given; the small CNN's parameters.
     assert checkpoint["config"]["learning_rate"] == 5e-3 and checkpoint["config"]["num_envs"] == 8
     assert checkpoint["runners"]["obs"].shape == (1, 8, 10, 10, 4)
-    assert checkpoint["runners"]["agent"]["params"]["params"]["Convolution_0"]["Dense_0"]["kernel"].shape == (1, 36, 16)
+    assert checkpoint["runners"]["agent"]["params"]["params"]["Conv_0"]["kernel"].shape == (1, 3, 3, 4, 16)
     assert set(TAGS[2:]) <= set(scalars(tmp_path))
     result = run("--eval", tmp_path / "checkpoint.msgpack", "--eval-episodes", 2)
     assert result.returncode == 0, result.stderr
