@@ -483,3 +483,20 @@ def test_the_last_100_episodes_are_logged_and_resume_with_the_run(trained, run, 
     assert result.returncode == 0, result.stderr
     resumed = read_checkpoint(tmp_path / "resumed" / "checkpoint.msgpack")["runners"]
     assert 0 < resumed["episodes"].min() < 100  # the episodes of four updates, counted from 0
+
+
+def test_gymnax_needs_neither_ale_py_nor_opencv(environment, tmp_path):
+    # With ale-py and OpenCV absent (their import raises), CartPole trains and a name that is no
+    # gymnax environment says that Atari needs ale-py.
+    def without_atari(*args):
+        code = ("import runpy, sys\nsys.modules['ale_py'] = sys.modules['cv2'] = None\n"
+                f"sys.argv = [{SCRIPT!r}, *{list(map(str, args))!r}]\nrunpy.run_path({SCRIPT!r}, run_name='__main__')")
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                              env=environment)
+
+    result = without_atari("--num-steps", 32, "--num-minibatches", 2, "--total-timesteps", 256, "--run-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "done: 256 steps" in result.stderr and (tmp_path / "checkpoint.msgpack").is_file()
+    result = without_atari("--env", "Breakout")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "unknown environment 'Breakout'" in result.stderr and "Atari games need ale-py" in result.stderr
