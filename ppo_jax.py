@@ -69,23 +69,8 @@ four stalled at about 7 (Part 3, beside the presets).
 Breakout with every default, the 10M-step schedule stopped at 1M steps, seeds 1 and 2. It learns
 as `ppo_atari.py` does: the real scores of the last 100 whole games average 14.8 at 500k steps and
 23.2 at 1M (27.4 and 19.0), against 14.1 and 21.5 for `ppo_atari.py`'s two seeds and about 20 at
-1M for CleanRL. The curve was made before the convolutions took their channels first (Hardware
-choices, Part 3), which computes the same function faster; seed 1 trained again with the
-channels first scored 13.3, 17.5, 21.0 and 27.8 at 250k, 500k, 750k and 1M steps, against 11.5,
-15.0, 19.0 and 27.4 in the curve. Both trained in float32; in bfloat16, now the default on that
-CPU, seed 1 scored 11.3, 15.1, 19.4 and 23.2 at the same steps (Hardware choices, Part 3).
-
-Atari Breakout, its games stepped inside the compiled program (Part 2), measured one after the other
-on 2 cores of an AMD EPYC with AVX-512 BF16: 716 steps a second with the torso in bfloat16, the
-default on that CPU as it is `ppo_atari.py`'s, against 713 for `ppo_atari.py` (1.00); in float32,
-494 against 490. Two more runs within the hour measured 713 against 676 (1.05) and, the machine
-busier, 631 against 590 (1.07); two runs the next session, on the same kind of machine, 694 against
-641 (1.08) and 701 against 600 (1.17). The games alone step faster here than through
-`ppo_atari.py`'s worker processes (4,311 steps a second against 3,535), and in the first run an
-iteration of 8 games x 128 steps was played in 0.46 s against 0.62 s. The update is where PyTorch is
-usually faster: 0.98 s against 0.83 s in that run, both in bfloat16, and 1.03 s against 0.89 s in
-the next session's first, though in its second XLA's was the shorter, 1.01 s against 1.08 s. Where
-XLA's time goes, and what took it down from 2.92 s: Hardware choices, Part 3.
+1M for CleanRL (trained by an earlier version of this page, `benchmarks/README.md`). `python
+benchmarks/ppo_jax_speed.py --part atari` measures Atari's speed beside `ppo_atari.py`'s.
 
 Papers and projects: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); PureJaxRL, the whole run as one JAX program (Lu et al., 2022, "Discovered Policy
@@ -107,8 +92,8 @@ The page in order:
    part of one).
 2. **Sampling at speed**: Atari, its games stepped from inside the compiled program by ale-py's
    vector environment (`AtariEnv`), and the reset step that is no transition.
-3. **Running it for real**: the command line, hardware choices, checkpoints, logging, Ctrl-C, the
-   training runs, evaluation, `main()`.
+3. **Running it for real**: the command line, the CPU's convolution, checkpoints, logging, Ctrl-C,
+   the training runs, evaluation, `main()`.
 4. **More than one device**: the agents of `--num-seeds` spread over devices (`jax.sharding`).
 """
 
@@ -399,10 +384,8 @@ def dense(features: int, gain: float = math.sqrt(2), name: str | None = None) ->
 
 
 def convolution(layer: Callable[..., nn.Module], features: int, size: int, stride: int, name: str) -> nn.Module:
-    """A `size x size` convolution without padding, `layer` (`nn.Conv`, or one like it), initialised as `dense`.
-
-    The orthogonal initialisation treats the kernel as a matrix with one column per output channel.
-    """
+    """A `size x size` convolution without padding, `layer` (`nn.Conv`, or one like it), initialised as `dense` is
+    (the kernel taken as a matrix with a column per output channel)."""
     return layer(features, (size, size), strides=(stride, stride), padding="VALID",
                  kernel_init=nn.initializers.orthogonal(math.sqrt(2)), bias_init=nn.initializers.zeros, name=name)
 
@@ -1090,12 +1073,10 @@ def make_train(config: Config, env_id: str | None = None, conv: Callable[..., nn
 # on Atari, rollout, advantages and update, is then one compiled program, as it is on CartPole, and
 # the command line runs it a chunk of updates at a time with the same code (Part 3).
 #
-# This page once played Atari as `ppo_atari.py` does, in worker processes driven over pipes with
-# shared memory, with copies of its `Game` and `Workers`; they are gone from here. Worker processes
-# are taught on [`ppo_atari.py`'s page](ppo_atari.py), where PyTorch's eager loop needs them; in a
-# compiled program the vector environment's threads do that work, and what `Game` did by hand, the
-# frame skip, the max-pool, the grey 84 x 84 frames, the no-op starts and the lives, is set on the
-# vector environment below, explicitly, and checked by tests against `ppo_atari.py`'s `Game`.
+# Worker processes, which PyTorch's eager loop needs, are taught on [`ppo_atari.py`'s page](ppo_atari.py);
+# here the vector environment's threads do that work, and what that page's `Game` does by hand (the
+# frame skip, the max-pool, grey 84 x 84 frames, no-op starts, lives) is set on it below, checked by
+# tests against `Game`.
 #
 # ### Atari: the protocol
 #
@@ -1323,24 +1304,16 @@ RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.n
 # environments x 128 steps, 8 minibatches, and a learning rate of 5e-3, twenty times CartPole's; the
 # rest are the defaults above, which are also that notebook's (its clip range is not annealed, and
 # its networks are two separate MLPs of 64 units on the flattened grid, where ours is the MinAtar
-# paper's CNN). The learning rate is what matters. This preset first had 5e-4. On Breakout-MinAtar,
-# four agents (seed 1, the 10M-step schedule) then stalled: three of them at a return of about 7
-# (6.4 to 7.0) from 2M steps on, the fourth at 28.9 by 4.8M, when the run was stopped (a mean of
-# 12.3). With 5e-3 the same four were at 24.4 to 47.5 by 2M steps (the curves: `minatar-lr5e-4`
-# and `minatar-breakout-jax` in `benchmarks/results/`), and ended at 28.8 to 75.2 after 10M, a mean
-# of 50.2, against about 40 at the end of PureJaxRL's run.
+# paper's CNN). The learning rate is what matters: with 5e-4, three of four Breakout-MinAtar agents
+# stalled at about 7 from 2M steps on; with 5e-3 the same four were at 24.4 to 47.5 by 2M and ended
+# at 28.8 to 75.2 after 10M (`minatar-lr5e-4` and `minatar-breakout-jax` in `benchmarks/results/`).
 #
-# Pendulum's were found here, in the style of rl-zoo's (a short discount, large
-# batches, ten epochs, no entropy bonus), not the PPO paper's MuJoCo settings (its Table 3: one
-# actor, a horizon of 2048, 10 epochs of minibatches of 64, 3e-4, a discount of 0.99), with a
-# learning rate of 1e-3 before observations and rewards were normalised; normalised, a rate of 3e-4
-# (the PPO paper's and CleanRL's for MuJoCo) and a value loss left unclipped measured best (a random
-# policy scores about -1,200). Each agent's return below is the mean of its last 100 episodes after
-# 1M steps; its steps to -250, the steps it took until the mean return of an update's episodes first
-# reached -250. Each run is four agents, `python ppo_jax.py --env Pendulum-v1 --num-seeds 4 --seed S`
-# for S = 1, 2 (and 3 in three rows), with `--learning-rate` and `--clip-value-loss` as the row says
-# (the first row: this file with the `Normalizer` left out of `init`, which trains as the code before
-# the normalisers did, to the same steps to -250), on this project's 2-core CPU:
+# Pendulum's were found here, in the style of rl-zoo's (a short discount, large batches, ten epochs,
+# no entropy bonus): normalised, a rate of 3e-4 (the PPO paper's and CleanRL's for MuJoCo) and an
+# unclipped value loss measured best (a random policy scores about -1,200). Below, each agent's mean
+# return over its last 100 episodes after 1M steps, and the steps until an update's episodes first
+# averaged -250; each run four agents, `python ppo_jax.py --env Pendulum-v1 --num-seeds 4 --seed S`
+# (the first row: the `Normalizer` left out of `init`), on this project's 2-core CPU:
 #
 # | observations, rewards | rate | value loss | return of each agent, by seed | mean, by seed | steps to -250 (thousands) |
 # |---|---|---|---|---|---|
@@ -1350,22 +1323,14 @@ RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.n
 # | normalised | 3e-4 | clipped | -142, -158, -159, -160; -152, -127, -151, -158 | -154.8; -147.2 | 106, 131, 111, 152; 119, 106, 123, 115 |
 # | normalised | 3e-4 | not clipped (the preset) | -143, -156, -159, -156; -150, -128, -151, -157; -161, -154, -156, -166 | -153.6; -146.4; -159.4 | 94, 78, 78, 78; 78, 86, 78, 90; 86, 82, 70, 74 |
 #
-# At the rate found for raw observations, normalised agents fail: three of twelve unclipped (three
-# of eight clipped) settle into swinging the pendulum round and round, one way (the running mean
-# of their angular velocity is 1.3 to 2.3, against at most 0.5 for the others), or lose what they
-# had learned, which none of the raw ones did. At 3e-4 all twenty learn and end where the raw
-# agents end; unclipped, they reach -250 in about a third of the raw agents' steps. There the clip
-# changes the final returns by about a point and takes half as many steps again to reach -250,
-# and the preset leaves it off.
+# At 1e-3, some normalised agents swing the pendulum round and round or lose what they had learned.
+# At 3e-4 all twenty learn and end where the raw agents end; unclipped, they reach -250 in about a
+# third of the raw agents' steps, and the clip, which changes little else, is left off.
 #
-# MountainCarContinuous-v0 learns nothing, raw or normalised: in four runs of four agents
-# (`--env MountainCarContinuous-v0 --num-seeds 4`: raw; normalised at 1e-3, clipped and not; and at
-# this preset), every agent learned within its first 66,000 to 131,000 steps to push as little as
-# it can (a return above -1 in episodes cut at 999 steps, from about -40 at first). In the 16M
-# steps of them all, one environment reached the flag (+100) once, by chance, in its first
-# episode, and its agent learned nothing from it. Only a policy that explores far enough to reach
-# the flag now and then can learn that it is there; this preset, tuned on Pendulum, has no entropy
-# bonus.
+# MountainCarContinuous-v0 learns nothing, raw or normalised (four runs of four agents): every agent
+# learned within 131,000 steps to push as little as it can (a return above -1, from about -40). Only a
+# policy that explores far enough to reach the flag now and then learns that it is there, and this
+# preset, tuned on Pendulum, has no entropy bonus.
 PRESETS: dict[str, dict[str, Any]] = {
     "classic control": {},
     "continuous control": dict(total_timesteps=1_000_000, num_envs=16, num_steps=256, num_minibatches=32,
@@ -1595,29 +1560,22 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #
 # * **Convolutions as products of windows, on a CPU.** Inside a loop, and the update is two nested
 #   scans, XLA's CPU backend computes `nn.Conv`'s gradient with a generic, unoptimised kernel
-#   (jax-ml/jax issue 12868): one gradient step of the Nature CNN on 256 frames took 3.67 s inside a
-#   scan against 0.46 s outside it, about 28 times as long as a product of the windows of its input
-#   takes (0.13 s). On a CPU the networks' convolution layer is therefore `PatchConv`: `nn.Conv`'s
-#   fields and parameters, its function computed as one matrix product over the windows of its
-#   input. On a GPU it is `nn.Conv`. A checkpoint moves between the two. The measurements, and the
-#   variants tried before this one, are in `benchmarks/README.md`.
-# * **Agents initialised one at a time.** Under `vmap` over seeds, `network.init` would factorise a
-#   batch of matrices at once for the orthogonal initialisation, and jaxlib 0.10.2's batched QR on
-#   the CPU can deadlock (initialising 16 CartPole agents hung, on this project's 2-core CPU).
-#   `make_train` initialises the agents of a `vmap` in a loop, one matrix at a time
-#   (`sequential_vmap`): once per run, at no cost that matters, and each agent starts from the very
-#   weights it would start from alone (a test checks it).
+#   (jax-ml/jax issue 12868): with jaxlib 0.10.2, a gradient step of the Nature CNN on 256 frames
+#   took 3.67 s inside a scan against 0.46 s outside it, and 0.13 s as products of windows (an
+#   earlier form of this layer). On a CPU the networks' convolution layer is therefore `PatchConv`:
+#   `nn.Conv`'s fields and parameters, computed as one matrix product over its input's windows; on
+#   a GPU it is `nn.Conv`, and a checkpoint moves between the two (`benchmarks/README.md` has the
+#   measurements and the variants tried before).
+# * **Agents initialised one at a time** (`sequential_vmap` in `make_train`): under `vmap`, jaxlib
+#   0.10.2's batched QR for the orthogonal initialisation can deadlock on the CPU (16 CartPole agents
+#   hung here). Each agent starts from the very weights it would start from alone (a test checks it).
 #
 # `choose_device` points JAX at the device asked for, before it computes anything.
 
 
 class PatchConv(nn.Conv):
-    """`nn.Conv` without padding, its parameters the same, computed as a matrix product over the windows of its input.
-
-    A window's values are ordered by row, column and channel, the order of `nn.Conv`'s kernel
-    `[height, width, in, out]` flattened; the window under each output pixel is one strided slice of
-    the input per position in the kernel.
-    """
+    """`nn.Conv` without padding, the same parameters, computed as a matrix product over the windows of its input:
+    one strided slice of the input per position in the kernel, in the order of the kernel `[height, width, in, out]`."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -1666,11 +1624,8 @@ CHECKPOINT_FORMAT = "ppo_jax/1"
 
 
 def storable(runners: Runner) -> Runner:
-    """`runners` as a checkpoint holds them: keys as their words, and no Atari games.
-
-    An Atari game's state lives in the vector env's C++ threads, out of reach: a resumed Atari run
-    starts new games (as `ppo_atari.py`'s does), with the agent, its key and its counters restored.
-    """
+    """`runners` as a checkpoint holds them: keys as their words, and no Atari games, which live in the vector
+    env's C++ threads: a resumed Atari run starts new games (as `ppo_atari.py`'s does)."""
     env_state = () if isinstance(runners.env_state, AtariState) else runners.env_state
     return runners._replace(key=jax.random.key_data(runners.key), env_state=env_state)
 
@@ -1767,7 +1722,9 @@ def restore_tree(template: Any, state: Any, path: str) -> Any:
 #
 # TensorBoard events are written with tensorboard's own event-file writer and protocol buffers, so
 # that this page needs neither TensorFlow nor PyTorch. The tags are CleanRL's; the `losses/` tags
-# are the terms `ppo_loss` returns, whatever they are.
+# are the terms `ppo_loss` returns, whatever they are. With many agents (`--num-seeds`), the run's
+# writer gets each tag's mean over them and their spread, and every agent's own series go to one
+# file (`log_chunk`): what the host does between chunks does not grow with the number of agents.
 
 
 class EventWriter:
@@ -1809,28 +1766,6 @@ class EventWriter:
             raise naming(error, self.directory) from error
         finally:
             self.writer.close()
-
-
-def scalars_of(metrics: dict) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """A chunk's metrics as TensorBoard scalars: `{tag: [updates, agents]}`, and `[updates, agents]`, whether each
-    agent ended an episode in each update (the `charts/episodic_*` tags mean something only where one did).
-
-    The tags are the schedules, every term of the loss that `update_agent` averaged (`losses/<name>`),
-    and the mean return and length of an update's episodes with the mean return of the last 100
-    (see `SCORE_WINDOW`).
-    """
-    tags = {"charts/learning_rate": metrics["learning_rate"], "charts/clip_range": metrics["clip_range"],
-            **{f"losses/{name}": value for name, value in metrics["losses"].items()},
-            "charts/episodic_return": metrics["episodic_return"], "charts/episodic_length": metrics["episodic_length"],
-            "charts/episodic_return_last_100": metrics["recent_return"]}
-    return {tag: np.asarray(value, np.float64) for tag, value in tags.items()}, metrics["episodes"] > 0
-
-
-def spread(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The mean, smallest and largest of each row's defined values (NaN where it has none), as three arrays."""
-    with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a row of NaN: NaN, said out loud
-        return np.nanmean(values, axis=1), np.nanmin(values, axis=1), np.nanmax(values, axis=1)
 
 
 class Progress:
@@ -2218,17 +2153,17 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, stop
 
     A chunk is some updates of every agent, `train_chunk` under `vmap`; between chunks the run
     writes TensorBoard events, shows its progress, saves a checkpoint every `--checkpoint-every`
-    updates and looks for a stop request. Chunks are sized by time, so that the progress line moves
+    updates and looks for a stop request. JAX returns from a call of a compiled program before the
+    program has run, so the next chunk is started as soon as the last one's metrics are in, and the
+    host logs the last one while the device computes the next; a stop request is answered at the
+    end of the chunk under way. Chunks are sized by time, so that the progress line moves
     and Ctrl-C is answered within `CHUNK_SECONDS` or so, whatever an update costs (a MinAtar update
     takes a second on a 2-core CPU, a CartPole update 4 ms): the first chunk is one update, and
     each next one as many as fit in `CHUNK_SECONDS` at the speed of the last. One program serves
     them all, compiled for chunks of `length` updates (`--checkpoint-every`, at most
     `LONGEST_CHUNK`): a shorter chunk skips the rest of the scan's steps (see `train_chunk`), at
-    about a microsecond each. (A compiled program can also call back into Python as it runs,
-    `jax.debug.callback`, to print progress after every update, say. We report between chunks
-    instead: JAX refuses to store a program with a host callback in its persistent compilation
-    cache, `JAX_COMPILATION_CACHE_DIR`, which otherwise spares a second run of the same
-    configuration its compilation.)
+    about a microsecond each. (Not `jax.debug.callback` after every update: JAX's persistent
+    compilation cache, `JAX_COMPILATION_CACHE_DIR`, refuses a program with a host callback.)
     """
     choose_device(config.device)
     run = Run(config, env_id, checkpoint, stop)
@@ -2316,32 +2251,28 @@ AGENTS_FILE = "agents.npys"
 
 
 def log_chunk(run: Run, metrics: dict[str, np.ndarray], first_update: int, batch_size: int, sps: float) -> None:
-    """Log a chunk's metrics, `[updates, agents]`, each update at its step.
-
-    With one agent, its series go to the run's writer. With several, the run's writer gets each
-    tag's mean over the agents, under the tag, and their smallest and largest, under `<tag>/min` and
-    `<tag>/max`; an episode's tag counts the agents that ended one in that update. Every agent's
-    metrics go to `AGENTS_FILE`, and the first `AGENT_WRITERS` agents' to writers of their own.
-    """
-    updates = len(metrics["episodes"])
-    steps = (first_update + 1 + np.arange(updates)) * batch_size
-    tags, ended = scalars_of(metrics)
-    episode_tags = {"charts/episodic_return", "charts/episodic_length", "charts/episodic_return_last_100"}
+    """Log a chunk's metrics, `[updates, agents]`: each tag's mean over the agents in the run's writer, with several
+    their smallest and largest (`<tag>/min`, `<tag>/max`), every agent's in `AGENTS_FILE` and the first
+    `AGENT_WRITERS`' in their own writers. An episode's tags are written where an episode ended."""
+    steps = (first_update + 1 + np.arange(len(metrics["episodes"]))) * batch_size
+    ended = metrics["episodes"] > 0
+    tags = {"charts/learning_rate": metrics["learning_rate"], "charts/clip_range": metrics["clip_range"],
+            **{f"losses/{name}": value for name, value in metrics["losses"].items()},
+            "charts/episodic_return": metrics["episodic_return"], "charts/episodic_length": metrics["episodic_length"],
+            "charts/episodic_return_last_100": metrics["recent_return"]}
     for tag, values in tags.items():
-        if tag in episode_tags:
-            values = np.where(ended, values, np.nan)
-        mean, smallest, largest = spread(values)
-        for index, step in enumerate(steps):
-            if tag in episode_tags and not ended[index].any():
-                continue
-            run.writer.add_scalar(tag, mean[index], step)
+        episodes = tag.startswith("charts/episodic")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # no agent with a value (no episode yet): NaN
+            mean, smallest, largest = (reduce(values, axis=1) for reduce in (np.nanmean, np.nanmin, np.nanmax))
+        for index in np.flatnonzero(ended.any(axis=1)) if episodes else range(len(steps)):
+            run.writer.add_scalar(tag, mean[index], steps[index])
             if values.shape[1] > 1:
-                run.writer.add_scalar(f"{tag}/min", smallest[index], step)
-                run.writer.add_scalar(f"{tag}/max", largest[index], step)
+                run.writer.add_scalar(f"{tag}/min", smallest[index], steps[index])
+                run.writer.add_scalar(f"{tag}/max", largest[index], steps[index])
         for agent, writer in enumerate(run.writers):
-            for index, step in enumerate(steps):
-                if tag not in episode_tags or ended[index, agent]:
-                    writer.add_scalar(tag, values[index, agent], step)
+            for index in np.flatnonzero(ended[:, agent]) if episodes else range(len(steps)):
+                writer.add_scalar(tag, values[index, agent], steps[index])
     run.writer.add_scalar("charts/SPS", sps, steps[-1])
     if run.agents_file is not None:
         write_agent_series(run.agents_file, steps, metrics, run.dir / AGENTS_FILE)
@@ -2366,11 +2297,8 @@ def write_agent_series(file: typing.BinaryIO, steps: np.ndarray, metrics: dict, 
 
 
 def read_agent_series(path: str | Path) -> dict[str, np.ndarray]:
-    """Every agent's series from a run's `AGENTS_FILE`: `{"step": [updates], name: [updates, agents], ...}`.
-
-    The names are the metrics' (`losses/policy_loss`, `episodic_return`, `episodes`, ...). A resumed
-    run writes again the updates after its checkpoint; each step is read as it was last written.
-    """
+    """Every agent's series from a run's `AGENTS_FILE`: `{"step": [updates], "losses/policy_loss": [updates, agents],
+    "episodic_return": ..., ...}`; a step written twice (a resumed run's) is read as last written."""
     data = Path(path).read_bytes()
     stream, chunks = io.BytesIO(data), []
     while stream.tell() < len(data):
@@ -2642,6 +2570,30 @@ def describe_returns(returns: np.ndarray) -> str:
     return f"{np.mean(returns):.1f} ± {np.std(returns):.1f} (min {np.min(returns):g}, max {np.max(returns):g})"
 
 
+# ### A trained policy, in Python
+
+
+def load_policy(path: str | Path, agent: int = 0) -> tuple[Callable[[jax.Array, jax.Array], jax.Array], Callable]:
+    """`(act, make_env)` for agent `agent` of the checkpoint at `path`: `act(obs, key)` samples the trained policy's
+    actions for a batch of observations of `make_env(num_envs)`, the environment it was trained on, with the
+    checkpoint's settings (on Atari, its frames preprocessed as in training; continuous actions' observations
+    normalised as in training). The README shows a loop that plays with them."""
+    checkpoint = load_checkpoint(str(path))
+    fields = {field.name for field in dataclasses.fields(AtariConfig)}
+    config = AtariConfig(**{k: v for k, v in checkpoint["config"].items() if k in fields})
+    training = make_train(config, checkpoint["env_id"], convolution_layer())
+    template = jax.eval_shape(jax.vmap(training.init), agent_keys(config))
+    trained = jax.tree.map(lambda value: value[agent], (
+        restore_tree(template.agent.params, checkpoint["runners"]["agent"]["params"], str(path)),
+        restore_tree(template.normalizer, checkpoint["runners"].get("normalizer"), str(path))))
+
+    def act(trained: tuple, obs: jax.Array, key: jax.Array) -> jax.Array:
+        params, normalizer = trained
+        return training.network.apply(params, obs if normalizer is None else normalizer.observe(obs))[0].sample(key)
+
+    return functools.partial(jax.jit(act), trained), functools.partial(make_env, checkpoint["env_id"], config=config)
+
+
 # ### main
 
 
@@ -2679,25 +2631,22 @@ def main(argv: list[str] | None = None) -> int:
 # `PartitionSpec("seeds")`, and `jax.jit` compiles the same program for data laid out that way.
 # XLA's partitioner follows the seed axis through the vmapped run, and as no operation mixes two
 # agents, every device runs the whole program on its own agents and no array moves between devices
-# (a test checks that the compiled program holds no collective operation). `shard_map` would say
-# the same by hand, per device: it would need a spec for every input and output, and its check of
-# which values vary across devices turned off, since this code was written without it. The layout
+# (a test checks that the compiled program holds no collective operation); `shard_map` would say
+# the same by hand, with a spec for every input and output. The layout
 # of the outputs is stated too (`out_shardings`), so that a chunk's runners go into the next chunk
 # laid out as the compiled program expects. Part 1's `jax.jit(jax.vmap(train))` spreads the same
-# way when its keys are placed first, `jax.device_put(keys, split_over_seeds(mesh))`; the command
-# line initialises the agents on one device and places their runners instead, since the agents'
-# initialisation, a loop over them (see Hardware choices), would first gather the keys onto every
-# device.
+# way when its keys are placed first; the command line initialises the agents on one device and
+# places their runners instead, since their initialisation, a loop over them (Part 3), would first
+# gather the keys onto every device.
 #
 # Every device runs the same program, on as many agents as each other one, so the agents must split
 # evenly. Rather than refuse a run, we use the most devices they split over: 6 agents on 4 devices
 # train on 3 of them, 2 each; 5 agents train on one. The run prints what it uses. On one device
-# nothing changes. On several, the results agree with one device's to rounding, not bit for bit: a
-# device runs the program on fewer agents at once, and XLA may compile a batch of another size into
-# another order of the same sums. Over a long run the difference grows (a sampled action flips, and
-# the episodes part ways): the runs are equally good samples of training, not the same sample. The
-# checkpoint does not depend on the devices (`jax.device_get` gathers a sharded array into one), so
-# a run started on two devices can be resumed or evaluated on one.
+# nothing changes. On several, the results agree with one device's to rounding, not bit for bit (XLA
+# may order the sums of a smaller batch otherwise); over a long run a sampled action flips and the
+# episodes part ways: equally good samples of training, not the same sample. The checkpoint does not
+# depend on the devices (`jax.device_get` gathers a sharded array), so a run started on two devices
+# can be resumed or evaluated on one.
 #
 # An Atari run is not spread. It trains one agent, so the devices would have to split its batch and
 # add up their gradients at every minibatch; and its games run in the CPU's threads whatever the

@@ -500,3 +500,32 @@ def test_gymnax_needs_neither_ale_py_nor_opencv(environment, tmp_path):
     result = without_atari("--env", "Breakout")
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "unknown environment 'Breakout'" in result.stderr and "Atari games need ale-py" in result.stderr
+
+
+README_POLICY = '''
+import jax
+import ppo_jax
+
+act, make_env = ppo_jax.load_policy("CHECKPOINT", agent=1)
+env = make_env(num_envs=1)
+obs, state = env.reset(jax.random.key(0))
+for step in range(200):
+    act_key, env_key = jax.random.split(jax.random.key(step))
+    obs, state, rewards, terminated, truncated, info = env.step(env_key, state, act(obs, act_key))
+'''
+
+
+def test_a_trained_policy_loads_and_acts_as_the_readme_shows(trained):
+    run_dir, _ = trained
+    path = run_dir / "checkpoint.msgpack"
+    namespace = {}
+    exec(README_POLICY.replace("CHECKPOINT", str(path)), namespace)
+    assert namespace["obs"].shape == (1, 4) and namespace["step"] == 199
+    # Its actions are samples of agent 1's trained network, which agent 0's would not all match.
+    act, make_env = ppo_jax.load_policy(path, agent=1)
+    obs, _ = make_env(1024).reset(jax.random.key(1))
+    key, params = jax.random.key(2), read_checkpoint(path)["runners"]["agent"]["params"]
+    expected = [jax.random.categorical(key, ppo_jax.MLPActorCritic(2).apply(
+        jax.tree.map(lambda value: value[agent], params), obs)[0].logits) for agent in (0, 1)]
+    np.testing.assert_array_equal(act(obs, key), expected[1])
+    assert not np.array_equal(expected[0], expected[1])
