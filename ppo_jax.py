@@ -384,8 +384,7 @@ def dense(features: int, gain: float = math.sqrt(2), name: str | None = None) ->
 
 
 def convolution(layer: Callable[..., nn.Module], features: int, size: int, stride: int, name: str) -> nn.Module:
-    """A `size x size` convolution without padding, `layer` (`nn.Conv`, or one like it), initialised as `dense` is
-    (the kernel taken as a matrix with a column per output channel)."""
+    """A `size x size` convolution without padding, `layer` (`nn.Conv` or one like it), initialised as `dense`."""
     return layer(features, (size, size), strides=(stride, stride), padding="VALID",
                  kernel_init=nn.initializers.orthogonal(math.sqrt(2)), bias_init=nn.initializers.zeros, name=name)
 
@@ -425,7 +424,6 @@ class MinAtarActorCritic(nn.Module):
 
     n_actions: int
     conv: Callable[..., nn.Module] = nn.Conv
-    """The convolution layer: `nn.Conv`, or a layer with its fields and parameters."""
 
     @nn.compact
     def __call__(self, obs: jax.Array) -> tuple[Categorical, jax.Array]:
@@ -443,7 +441,6 @@ class NatureActorCritic(nn.Module):
 
     n_actions: int
     conv: Callable[..., nn.Module] = nn.Conv
-    """The convolution layer: `nn.Conv`, or a layer with its fields and parameters."""
 
     @nn.compact
     def __call__(self, obs: jax.Array) -> tuple[Categorical, jax.Array]:
@@ -1282,7 +1279,8 @@ class RunConfig(AtariConfig):
     eval_episodes: int = 10
     """Episodes to play with `--eval`."""
     capture_video: bool = False
-    """With `--eval`, write each episode to an mp4 in <run dir>/videos (on gymnax, the first agent's)."""
+    """Record episodes to mp4s in <run dir>/videos: while training, one of the first agent's at every checkpoint (and
+    to W&B with `--track`); with `--eval`, each evaluation episode (on gymnax, the first agent's)."""
     track: bool = False
     """Send the run to Weights & Biases, as CleanRL does: its TensorBoard scalars, and the videos of
     `--eval --capture-video` (needs `pip install wandb`)."""
@@ -1474,8 +1472,6 @@ def check_config(config: RunConfig, family: str) -> None:
     if family == "Atari" and config.num_seeds > 1:
         raise ConfigError("--num-seeds is for gymnax environments: an Atari run's games are one C++ vector "
                           "environment, which vmap cannot copy for each agent; train one agent per process")
-    if config.capture_video and config.eval is None:
-        raise ConfigError("--capture-video records evaluation episodes; use it with --eval CHECKPOINT")
 
 
 # The environments this page trains on, by kind; each kind starts from its preset in Part 1. Any
@@ -1558,14 +1554,12 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #
 # Part 1 is written for every backend alike. Two things are chosen here for XLA's CPU backend:
 #
-# * **Convolutions as products of windows, on a CPU.** Inside a loop, and the update is two nested
-#   scans, XLA's CPU backend computes `nn.Conv`'s gradient with a generic, unoptimised kernel
-#   (jax-ml/jax issue 12868): with jaxlib 0.10.2, a gradient step of the Nature CNN on 256 frames
-#   took 3.67 s inside a scan against 0.46 s outside it, and 0.13 s as products of windows (an
-#   earlier form of this layer). On a CPU the networks' convolution layer is therefore `PatchConv`:
-#   `nn.Conv`'s fields and parameters, computed as one matrix product over its input's windows; on
-#   a GPU it is `nn.Conv`, and a checkpoint moves between the two (`benchmarks/README.md` has the
-#   measurements and the variants tried before).
+# * **Convolutions as products of windows, on a CPU.** Inside a scan, XLA's CPU backend computes
+#   `nn.Conv`'s gradient with a generic, unoptimised kernel (jax-ml/jax issue 12868): with jaxlib
+#   0.10.2, a gradient step of the Nature CNN on 256 frames took 3.67 s inside a scan, 0.46 s outside
+#   it, and 0.13 s as products of windows (an earlier form of this layer). On a CPU the networks'
+#   convolution is therefore `PatchConv`, `nn.Conv` computed as one matrix product over its input's
+#   windows; a checkpoint moves between it and `nn.Conv` (`benchmarks/README.md`: the measurements).
 # * **Agents initialised one at a time** (`sequential_vmap` in `make_train`): under `vmap`, jaxlib
 #   0.10.2's batched QR for the orthogonal initialisation can deadlock on the CPU (16 CartPole agents
 #   hung here). Each agent starts from the very weights it would start from alone (a test checks it).
@@ -2152,18 +2146,15 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, stop
     """Train `num_seeds` agents (on Atari, one): `make_train`'s program, a chunk of the run at a time.
 
     A chunk is some updates of every agent, `train_chunk` under `vmap`; between chunks the run
-    writes TensorBoard events, shows its progress, saves a checkpoint every `--checkpoint-every`
-    updates and looks for a stop request. JAX returns from a call of a compiled program before the
-    program has run, so the next chunk is started as soon as the last one's metrics are in, and the
-    host logs the last one while the device computes the next; a stop request is answered at the
-    end of the chunk under way. Chunks are sized by time, so that the progress line moves
-    and Ctrl-C is answered within `CHUNK_SECONDS` or so, whatever an update costs (a MinAtar update
-    takes a second on a 2-core CPU, a CartPole update 4 ms): the first chunk is one update, and
-    each next one as many as fit in `CHUNK_SECONDS` at the speed of the last. One program serves
-    them all, compiled for chunks of `length` updates (`--checkpoint-every`, at most
-    `LONGEST_CHUNK`): a shorter chunk skips the rest of the scan's steps (see `train_chunk`), at
-    about a microsecond each. (Not `jax.debug.callback` after every update: JAX's persistent
-    compilation cache, `JAX_COMPILATION_CACHE_DIR`, refuses a program with a host callback.)
+    logs, shows its progress, saves a checkpoint every `--checkpoint-every` updates and looks for a
+    stop request. A call of a compiled program returns before the program has run, so the next
+    chunk starts as soon as the last one's metrics are in, and the host logs while the device
+    computes. Chunks are sized by time, so that the progress line moves and Ctrl-C is answered
+    within `CHUNK_SECONDS` or so, whatever an update costs (on a 2-core CPU a MinAtar update takes a
+    second, a CartPole update 4 ms): the first is one update, each next one as many as fit in
+    `CHUNK_SECONDS` at the last one's speed. One program, compiled for `length` updates, serves them
+    all: a shorter chunk skips the rest of its scan (see `train_chunk`). (Not `jax.debug.callback`
+    after every update: JAX's persistent compilation cache refuses a program with a host callback.)
     """
     choose_device(config.device)
     run = Run(config, env_id, checkpoint, stop)
@@ -2224,10 +2215,20 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, stop
             progress.show(update * config.batch_size)
             if update % config.checkpoint_every == 0:
                 save()
+                if config.capture_video:
+                    record(update)
 
     def save() -> None:
         run.write_checkpoint(checkpoint_state(config, env_id, update, update * config.batch_size,
                                               runners=storable(runners)))
+
+    def record(update: int) -> None:
+        """An episode of the first agent's policy now, in one environment, as CleanRL records its first env's."""
+        agent = jax.tree.map(lambda value: value[0], (runners.agent.params, runners.normalizer))
+        videos = record_videos(config, env_id, make_env(env_id, 1, config), training.network, agent,
+                               jax.random.fold_in(keys[0], update), run.dir / "videos", f"train-update{update}")
+        if run.tracking is not None:
+            run.tracking.log({"videos": [import_wandb().Video(str(path), format="mp4") for path in videos]})
 
     def counters() -> tuple[int, int]:
         progress.show(update * config.batch_size, final=True)
@@ -2241,9 +2242,8 @@ def mean_over_agents(values: np.ndarray) -> float:
     return float(np.nanmean(values)) if np.isfinite(values).any() else float("nan")
 
 
-# The agents' series: their mean, smallest and largest in the run's writer, every agent's in one
-# file, and the first few agents' in writers of their own, so that the work between chunks does not
-# grow with the number of agents (a writer per agent, with its thread, did).
+# The agents' series: their mean and spread in the run's writer, every agent's in one file, the first
+# few in writers of their own, so that the work between chunks does not grow with the agents.
 AGENT_WRITERS = 16
 """Agents (the first) whose series also get a TensorBoard writer of their own, in `agent-<i>/`."""
 AGENTS_FILE = "agents.npys"
@@ -2316,7 +2316,7 @@ def read_agent_series(path: str | Path) -> dict[str, np.ndarray]:
 #
 # `--track` sends the run to Weights & Biases, as CleanRL does. wandb mirrors every TensorBoard
 # event the run writes from `wandb.init` on (`sync_tensorboard`), so the tags are the same in both;
-# `--eval --capture-video` uploads its videos. wandb is optional, imported only for `--track`, and
+# `--capture-video` uploads its videos. wandb is optional, imported only for `--track`, and
 # `WANDB_MODE=offline` keeps a run on disk for a later `wandb sync`.
 
 
@@ -2355,10 +2355,10 @@ def track_evaluation(config, returns: list[float], videos: list[Path]) -> None:
 # Evaluation plays whole episodes with the policy sampling its actions, as in training, and
 # reports the real, unclipped return of each (on Atari, the score of a whole game, all its lives).
 # It is one more compiled program: every agent plays `eval_episodes` episodes at once, until the
-# last has ended. To record them, the first agent's episodes are played again with the same key:
-# on gymnax by the same program, keeping the environments' state at every step (for as many steps
-# as the longest episode can last), and the states are drawn afterwards; on Atari a step at a
-# time, beside a twin of the games in colour.
+# last has ended. To record them (`--capture-video`, which also records an episode at each of a
+# training run's checkpoints), the first agent's episodes are played again with the same key: on
+# gymnax by the same program, keeping the environments' states, drawn afterwards; on Atari a step
+# at a time, beside a twin of the games in colour.
 
 
 def evaluation_start(env: BatchedEnv, key: jax.Array) -> tuple:
@@ -2425,13 +2425,9 @@ def evaluate_compiled(config: RunConfig, env_id: str, checkpoint: dict) -> np.nd
     eval_keys = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), 1), config.num_seeds)
     videos = []
     if config.capture_video:
-        if isinstance(env, AtariEnv):
-            first_agent = jax.tree.map(lambda value: value[0], params)
-            videos = record_atari(config, env, network, first_agent, eval_keys[0])
-        else:
-            first_agent = jax.tree.map(lambda value: value[0], (params, normalizers))
-            played = jax.jit(make_evaluate(network, env, record=True))(*first_agent, eval_keys[0])
-            videos = record_gymnax(config, env_id, env, played)
+        videos = record_videos(config, env_id, env, network, jax.tree.map(lambda value: value[0], (params, normalizers)),
+                               eval_keys[0], Path(config.run_dir or Path(config.eval).parent) / "videos", "eval")
+        print(f"videos in {videos[0].parent}", file=sys.stderr)
     trained = jax.device_put((params, normalizers, eval_keys), split_over_seeds(seed_mesh(config.num_seeds)))
     returns = np.asarray(jax.jit(jax.vmap(make_evaluate(network, env)))(*trained))
     if config.track:
@@ -2439,19 +2435,27 @@ def evaluate_compiled(config: RunConfig, env_id: str, checkpoint: dict) -> np.nd
     return returns
 
 
-def record_gymnax(config: RunConfig, env_id: str, env: BatchedEnv, played: tuple) -> list[Path]:
-    """Draw the episodes `make_evaluate(..., record=True)` played into one mp4 each, in <run dir>/videos.
+def record_videos(config: RunConfig, env_id: str, env: BatchedEnv, network: nn.Module, agent: tuple, key: jax.Array,
+                  video_dir: Path, name: str) -> list[Path]:
+    """Play an episode in each of `env`'s environments with one agent's `(params, normalizer)`, each into an mp4 in
+    `video_dir` whose name starts with `name`; the paths."""
+    video_dir.mkdir(parents=True, exist_ok=True)
+    if isinstance(env, AtariEnv):
+        return record_atari(config, env, network, agent[0], key, video_dir, name)
+    return record_gymnax(env_id, env, jax.jit(make_evaluate(network, env, record=True))(*agent, key), video_dir, name)
+
+
+def record_gymnax(env_id: str, env: BatchedEnv, played: tuple, video_dir: Path, name: str) -> list[Path]:
+    """Draw the episodes `make_evaluate(..., record=True)` played into one mp4 each, in `video_dir`.
 
     gymnax resets an environment within the step that ends its episode, so an episode's last frame
     is the one before its end."""
     _, first_states, (states, playing) = jax.device_get(played)
-    video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
-    video_dir.mkdir(parents=True, exist_ok=True)
     # Classic control plays at gymnasium's own rate; MinAtar has none, and 15 steps a second reads well.
     fps = gym.make(env_id).metadata["render_fps"] if env_id in GYMNAX_FAMILIES and "MinAtar" not in env_id else 15
     paths = []
     for episode in range(env.num_envs):
-        video = Video(video_dir / f"eval-{env_id}-episode{episode:02d}.mp4", fps)
+        video = Video(video_dir / f"{name}-{env_id}-episode{episode:02d}.mp4", fps)
         try:
             video.write(render_gymnax(env_id, env, jax.tree.map(lambda value: value[episode], first_states)))
             for step in np.flatnonzero(playing[:, episode]):
@@ -2459,7 +2463,6 @@ def record_gymnax(config: RunConfig, env_id: str, env: BatchedEnv, played: tuple
         finally:
             video.close()
         paths.append(video.path)
-    print(f"videos in {video_dir}", file=sys.stderr)
     return paths
 
 
@@ -2487,8 +2490,9 @@ def render_gymnax(env_id: str, env: BatchedEnv, state: Any) -> np.ndarray:
     return np.repeat(np.repeat(palette[cells], 20, axis=0), 20, axis=1)
 
 
-def record_atari(config: RunConfig, env: AtariEnv, network: nn.Module, params: Any, key: jax.Array) -> list[Path]:
-    """Play the games `make_evaluate` plays with `key`, a step at a time, into one mp4 each, in <run dir>/videos.
+def record_atari(config: RunConfig, env: AtariEnv, network: nn.Module, params: Any, key: jax.Array, video_dir: Path,
+                 name: str) -> list[Path]:
+    """Play the games `make_evaluate` plays with `key`, a step at a time, into one mp4 each, in `video_dir`.
 
     The frames the agent sees are grey and small. A twin of the vector env in colour, at the
     screen's size, with the same settings and seeds, stepped with the same actions, plays the very
@@ -2508,10 +2512,8 @@ def record_atari(config: RunConfig, env: AtariEnv, network: nn.Module, params: A
 
     carry = start(key)
     twin.reset(seed=np.asarray(env.seeds(jax.random.split(key)[1])))
-    video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
-    video_dir.mkdir(parents=True, exist_ok=True)
     # 60 frames a second divided by the frame skip: the videos play in real time.
-    videos = [Video(video_dir / f"eval-{env.game}-game{index:02d}.mp4", 60 / config.frame_skip)
+    videos = [Video(video_dir / f"{name}-{env.game}-game{index:02d}.mp4", 60 / config.frame_skip)
               for index in range(env.num_envs)]
     try:
         while True:
@@ -2526,7 +2528,6 @@ def record_atari(config: RunConfig, env: AtariEnv, network: nn.Module, params: A
         for video in videos:
             video.close()
         twin.close()
-    print(f"videos in {video_dir}", file=sys.stderr)
     return [video.path for video in videos]
 
 

@@ -255,6 +255,18 @@ def test_eval_records_the_first_agents_episodes(trained, run, tmp_path):
     assert sum(frames) == round(2 * mean_return) and all(frame_count > 1 for frame_count in frames)
 
 
+def test_training_records_an_episode_of_the_first_agent_at_each_checkpoint(run, tmp_path):
+    # 16 updates, a checkpoint every 8: two videos, each a whole CartPole episode of agent 0's policy
+    # as it was then (a frame per step, the first state included, the last step's reset not).
+    result = run(*SMALL, "--capture-video", "--run-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    videos = sorted((tmp_path / "videos").glob("*.mp4"))
+    assert [video.name for video in videos] == ["train-update16-CartPole-v1-episode00.mp4",
+                                                "train-update8-CartPole-v1-episode00.mp4"]
+    assert all(assert_plays(video, 600, 400) > 1 for video in videos)
+    assert "step 4,096/4,096 x 2 agents" in result.stderr
+
+
 def test_a_truncated_episode_bootstraps_from_its_final_observation():
     # Pendulum never terminates; every episode is cut at 200 steps. In a rollout of 201 steps, step
     # 199 ends each episode: its next value must be V of the 200th state, not of the reset that
@@ -347,7 +359,6 @@ def test_bad_input_through_the_command_line(run, args, message):
     (["--total-timesteps", "100"], "less than one batch"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
-    (["--capture-video"], "--capture-video records evaluation episodes; use it with --eval"),
     (["--env", "Breakout", "--num-seeds", "4"], "--num-seeds is for gymnax environments: an Atari run's games"),
     (["--eval", "missing.msgpack"], "checkpoint missing.msgpack does not exist"),
     (["--eval", "a.msgpack", "--resume", "b.msgpack"], "cannot be used together"),
