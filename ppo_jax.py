@@ -69,23 +69,8 @@ four stalled at about 7 (Part 3, beside the presets).
 Breakout with every default, the 10M-step schedule stopped at 1M steps, seeds 1 and 2. It learns
 as `ppo_atari.py` does: the real scores of the last 100 whole games average 14.8 at 500k steps and
 23.2 at 1M (27.4 and 19.0), against 14.1 and 21.5 for `ppo_atari.py`'s two seeds and about 20 at
-1M for CleanRL. The curve was made before the convolutions took their channels first (Hardware
-choices, Part 3), which computes the same function faster; seed 1 trained again with the
-channels first scored 13.3, 17.5, 21.0 and 27.8 at 250k, 500k, 750k and 1M steps, against 11.5,
-15.0, 19.0 and 27.4 in the curve. Both trained in float32; in bfloat16, now the default on that
-CPU, seed 1 scored 11.3, 15.1, 19.4 and 23.2 at the same steps (Hardware choices, Part 3).
-
-Atari Breakout, its games stepped inside the compiled program (Part 2), measured one after the other
-on 2 cores of an AMD EPYC with AVX-512 BF16: 716 steps a second with the torso in bfloat16, the
-default on that CPU as it is `ppo_atari.py`'s, against 713 for `ppo_atari.py` (1.00); in float32,
-494 against 490. Two more runs within the hour measured 713 against 676 (1.05) and, the machine
-busier, 631 against 590 (1.07); two runs the next session, on the same kind of machine, 694 against
-641 (1.08) and 701 against 600 (1.17). The games alone step faster here than through
-`ppo_atari.py`'s worker processes (4,311 steps a second against 3,535), and in the first run an
-iteration of 8 games x 128 steps was played in 0.46 s against 0.62 s. The update is where PyTorch is
-usually faster: 0.98 s against 0.83 s in that run, both in bfloat16, and 1.03 s against 0.89 s in
-the next session's first, though in its second XLA's was the shorter, 1.01 s against 1.08 s. Where
-XLA's time goes, and what took it down from 2.92 s: Hardware choices, Part 3.
+1M for CleanRL (trained by an earlier version of this page, `benchmarks/README.md`). `python
+benchmarks/ppo_jax_speed.py --part atari` measures Atari's speed beside `ppo_atari.py`'s.
 
 Papers and projects: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); PureJaxRL, the whole run as one JAX program (Lu et al., 2022, "Discovered Policy
@@ -107,8 +92,8 @@ The page in order:
    part of one).
 2. **Sampling at speed**: Atari, its games stepped from inside the compiled program by ale-py's
    vector environment (`AtariEnv`), and the reset step that is no transition.
-3. **Running it for real**: the command line, hardware choices, checkpoints, logging, Ctrl-C, the
-   training runs, evaluation, `main()`.
+3. **Running it for real**: the command line, the CPU's convolution, checkpoints, logging, Ctrl-C,
+   the training runs, evaluation, `main()`.
 4. **More than one device**: the agents of `--num-seeds` spread over devices (`jax.sharding`).
 """
 
@@ -122,6 +107,7 @@ import functools
 import difflib
 import fractions
 import inspect
+import io
 import math
 import os
 import signal
@@ -130,12 +116,11 @@ import textwrap
 import threading
 import time
 import typing
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, NamedTuple
 
-import ale_py
-import cv2
 import flax.linen as nn
 import flax.serialization
 import gymnasium as gym
@@ -278,6 +263,8 @@ class BatchedEnv:
 
     resets_within_step = True
     """gymnax resets an environment in the step that ends its episode (Atari's vector env, in the next: Part 2)."""
+    frames = False
+    """Whether observations are stacks of screen frames, channels first (Atari's, Part 2): the Nature CNN's input."""
 
     def __init__(self, env_id: str, num_envs: int):
         import gymnax  # imported here, not at the top: it takes seconds, which an Atari run need not spend
@@ -307,10 +294,16 @@ class BatchedEnv:
             info["final_observation"], jnp.ones_like(done), rewards, jnp.ones(self.num_envs, jnp.int32), done)
 
 
+# Environments that gymnax does not have join through this list: each entry is a test of an id and
+# what makes `num_envs` of them with `BatchedEnv`'s interface and facts. Part 2 adds Atari's games.
+OTHER_ENVS: list[tuple[Callable[[str], bool], Callable[[str, int, Config], BatchedEnv]]] = []
+
+
 def make_env(env_id: str, num_envs: int, config: Config) -> BatchedEnv:
-    """`num_envs` environments of `env_id`: an Atari game (Part 2's `AtariEnv`, with `config`'s protocol) or gymnax's."""
-    if env_id in atari_ids():
-        return AtariEnv(env_id, num_envs, config)
+    """`num_envs` environments of `env_id`: gymnax's, unless a kind in `OTHER_ENVS` (Part 2: Atari) claims the id."""
+    for claims, kind in OTHER_ENVS:
+        if claims(env_id):
+            return kind(env_id, num_envs, config)
     return BatchedEnv(env_id, num_envs)
 
 
@@ -374,21 +367,26 @@ class Gaussian(NamedTuple):
 # pytree, and `apply(params, obs)` runs it. The parameters live outside the module, which is what
 # lets them be carried through `scan`, differentiated by `jax.grad` and batched by `vmap`. Which
 # network an environment gets is decided in one place, `make_network`, from the environment's
-# observations and actions.
+# observations and actions. The layers are flax's `nn.Dense` and `nn.Conv`, the batch first, as
+# PureJaxRL and CleanRL write them. The convolutional networks take their convolution layer as a
+# field, `nn.Conv` unless told otherwise: a layer with the same fields and parameters may compute
+# it another way where a backend needs it (Part 3 does, on a CPU).
 
 
-def dense(features: int, gain: float = math.sqrt(2), name: str | None = None,
-          layer: type[nn.Dense] = nn.Dense, **fields) -> nn.Dense:
+def dense(features: int, gain: float = math.sqrt(2), name: str | None = None) -> nn.Dense:
     r"""A linear layer with orthogonal weights scaled by `gain` and zero biases.
 
     Orthogonal matrices keep the norm of what passes through, so activations neither explode nor
     vanish with depth; $\sqrt 2$ makes up for the half of a ReLU's input cut to 0. The policy head
-    starts at gain 0.01, so the first policy is almost uniform; the value head at gain 1. `layer`
-    is `nn.Dense` or a kind of it (Part 3's `WindowsDense` for the convolutions and `RowsDense`),
-    and `fields` are its own.
+    starts at gain 0.01, so the first policy is almost uniform; the value head at gain 1.
     """
-    return layer(features, kernel_init=nn.initializers.orthogonal(gain), bias_init=nn.initializers.zeros, name=name,
-                 **fields)
+    return nn.Dense(features, kernel_init=nn.initializers.orthogonal(gain), bias_init=nn.initializers.zeros, name=name)
+
+
+def convolution(layer: Callable[..., nn.Module], features: int, size: int, stride: int, name: str) -> nn.Module:
+    """A `size x size` convolution without padding, `layer` (`nn.Conv` or one like it), initialised as `dense`."""
+    return layer(features, (size, size), strides=(stride, stride), padding="VALID",
+                 kernel_init=nn.initializers.orthogonal(math.sqrt(2)), bias_init=nn.initializers.zeros, name=name)
 
 
 class MLPActorCritic(nn.Module):
@@ -419,32 +417,48 @@ class MLPActorCritic(nn.Module):
 
 
 class MinAtarActorCritic(nn.Module):
-    """For MinAtar's 10 x 10 grids of 0/1 channels: the network of the MinAtar paper, shared by two heads.
+    """For MinAtar's 10 x 10 grids of 0/1 channels (channels last): the MinAtar paper's network, shared by two heads.
 
-    One 3 x 3 convolution of 16 filters and a 128-unit layer (Young and Tian, 2019). `Convolution`
-    is flax's `nn.Conv` without padding, computed as a matrix product with the channels first and
-    the batch last (see Hardware choices, Part 3); its output is laid out channels last again, as
-    `nn.Conv`'s, before it is flattened.
+    One 3 x 3 convolution of 16 filters and a 128-unit layer (Young and Tian, 2019).
     """
 
     n_actions: int
+    conv: Callable[..., nn.Module] = nn.Conv
 
     @nn.compact
     def __call__(self, obs: jax.Array) -> tuple[Categorical, jax.Array]:
-        x = jnp.moveaxis(obs, (-1, -3, -2), (0, 1, 2))                          # C x 10 x 10 x batch
-        hidden = nn.relu(Convolution(16, kernel=3)(x))                          # -> 16 x 8 x 8
-        hidden = jnp.moveaxis(hidden, (0, 1, 2), (-1, -3, -2))                  # -> batch x 8 x 8 x 16
-        hidden = nn.relu(dense(128)(hidden.reshape(*hidden.shape[:-3], -1)))
+        hidden = nn.relu(convolution(self.conv, 16, 3, 1, "Conv_0")(obs))     # batch x 8 x 8 x 16
+        hidden = nn.relu(dense(128, name="Dense_0")(hidden.reshape(*hidden.shape[:-3], -1)))
         return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
 
 
-def make_network(env: BatchedEnv, torso_dtype: Any = jnp.float32) -> nn.Module:
-    """The actor-critic for `env`: the DQN paper's CNN for Atari's frames (Part 2), its torso's products
-    computed in `torso_dtype`; the MinAtar CNN for grids of channels; the MLP for vectors."""
-    if isinstance(env, AtariEnv):
-        return NatureActorCritic(env.action_dim, torso_dtype)
+class NatureActorCritic(nn.Module):
+    """For Atari's frames: the DQN paper's "Nature CNN" torso (Mnih et al., 2015), shared by a policy head and a value head.
+
+    Frames arrive as `uint8` stacks of 4, channels first as the emulator's vector env writes them
+    (Part 2); they are scaled to [0, 1] and their channels moved last, where `nn.Conv` takes them.
+    """
+
+    n_actions: int
+    conv: Callable[..., nn.Module] = nn.Conv
+
+    @nn.compact
+    def __call__(self, obs: jax.Array) -> tuple[Categorical, jax.Array]:
+        x = jnp.moveaxis(obs, -3, -1).astype(jnp.float32) / 255.0               # batch x 84 x 84 x 4
+        x = nn.relu(convolution(self.conv, 32, 8, 4, "Conv_0")(x))              # -> 20 x 20 x 32
+        x = nn.relu(convolution(self.conv, 64, 4, 2, "Conv_1")(x))              # -> 9 x 9 x 64
+        x = nn.relu(convolution(self.conv, 64, 3, 1, "Conv_2")(x))              # -> 7 x 7 x 64
+        hidden = nn.relu(dense(512, name="Dense_0")(x.reshape(*x.shape[:-3], -1)))
+        return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
+
+
+def make_network(env: BatchedEnv, conv: Callable[..., nn.Module] = nn.Conv) -> nn.Module:
+    """The actor-critic for `env`: the Nature CNN for stacks of screen frames, the MinAtar CNN for grids of
+    channels (both with `conv` as their convolution layer), the MLP for vectors."""
+    if env.frames:
+        return NatureActorCritic(env.action_dim, conv)
     if len(env.obs_shape) == 3:
-        return MinAtarActorCritic(env.action_dim)
+        return MinAtarActorCritic(env.action_dim, conv)
     return MLPActorCritic(env.action_dim, continuous=env.continuous)
 
 
@@ -823,29 +837,12 @@ def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformatio
             agent = jax.tree.map(lambda new, old: jnp.where(take, new, old), stepped, agent)
             return (agent, stopped, broken), (terms, take, step_rms)
 
-        # Images (Atari's frames, MinAtar's grids) are copied out batch last, and each minibatch is taken
-        # at a fixed index: both for XLA's CPU backend ("Minibatches cut from one shuffled copy", Part 3).
-        images = batch.obs.ndim == 4
-
         def epoch(carry: tuple, key: jax.Array) -> tuple[tuple, tuple]:
             # The batch shuffled, then cut into minibatches: each a slice of one copy.
             order = jax.random.permutation(key, config.batch_size)
             minibatches = jax.tree.map(lambda x: x[order].reshape(config.num_minibatches, config.minibatch_size,
                                                                   *x.shape[1:]), batch)
-            if images:
-                minibatches = minibatches._replace(obs=jnp.moveaxis(minibatches.obs, 1, -1))
-
-                def cut(k: int) -> Batch:
-                    return jax.tree.map(lambda x: x[k], minibatches)
-
-                def image_step(carry: tuple, k: jax.Array) -> tuple[tuple, tuple]:
-                    minibatch = jax.lax.switch(k, [functools.partial(cut, j) for j in range(config.num_minibatches)])
-                    return minibatch_step(carry, minibatch._replace(obs=jnp.moveaxis(minibatch.obs, -1, 0)))
-
-                step, xs = image_step, jnp.arange(config.num_minibatches)
-            else:
-                step, xs = minibatch_step, minibatches
-            (agent, stopped, broken), (terms, take, step_rms) = jax.lax.scan(step, carry, xs)
+            (agent, stopped, broken), (terms, take, step_rms) = jax.lax.scan(minibatch_step, carry, minibatches)
             if config.target_kl is not None:
                 # `--target-kl` ends the update after a whole epoch whose last minibatch strayed too
                 # far from the old policy, as CleanRL's `break` does: the epochs left do nothing.
@@ -948,16 +945,16 @@ def mean_of_ring(ring: jax.Array, count: jax.Array) -> jax.Array:
     return jnp.where(filled, ring, 0.0).sum() / filled.sum()
 
 
-def make_train(config: Config, env_id: str | None = None, torso_dtype: Any = jnp.float32) -> Training:
-    """The training run of one agent on the gymnax environment `env_id` (default: `config.env`), as pure functions.
+def make_train(config: Config, env_id: str | None = None, conv: Callable[..., nn.Module] = nn.Conv) -> Training:
+    """The training run of one agent on the environment `env_id` (default: `config.env`), as pure functions.
 
     `train(key) -> (runner, metrics)` is the whole run, its metrics with a leading `[num_updates]`
     axis; `jax.jit(jax.vmap(train))(jax.random.split(key, n))` trains `n` agents, one per key, in one
-    compiled program. `train_chunk(runner, count, length)` is a part of it, `count` updates. On
-    Atari, the torso's products compute in `torso_dtype` (Part 3's `--precision`).
+    compiled program. `train_chunk(runner, count, length)` is a part of it, `count` updates. The
+    convolutional networks are built with `conv` as their convolution layer (see `make_network`).
     """
     env = make_env(env_id or config.env, config.num_envs, config)
-    network = make_network(env, torso_dtype)
+    network = make_network(env, conv)
     optimizer = make_optimizer(config)
     update_agent = make_update_agent(network, optimizer, config)
     # Under `vmap` over agents, each agent's network is initialised on its own, one after another,
@@ -1073,12 +1070,10 @@ def make_train(config: Config, env_id: str | None = None, torso_dtype: Any = jnp
 # on Atari, rollout, advantages and update, is then one compiled program, as it is on CartPole, and
 # the command line runs it a chunk of updates at a time with the same code (Part 3).
 #
-# This page once played Atari as `ppo_atari.py` does, in worker processes driven over pipes with
-# shared memory, with copies of its `Game` and `Workers`; they are gone from here. Worker processes
-# are taught on [`ppo_atari.py`'s page](ppo_atari.py), where PyTorch's eager loop needs them; in a
-# compiled program the vector environment's threads do that work, and what `Game` did by hand, the
-# frame skip, the max-pool, the grey 84 x 84 frames, the no-op starts and the lives, is set on the
-# vector environment below, explicitly, and checked by tests against `ppo_atari.py`'s `Game`.
+# Worker processes, which PyTorch's eager loop needs, are taught on [`ppo_atari.py`'s page](ppo_atari.py);
+# here the vector environment's threads do that work, and what that page's `Game` does by hand (the
+# frame skip, the max-pool, grey 84 x 84 frames, no-op starts, lives) is set on it below, checked by
+# tests against `Game`.
 #
 # ### Atari: the protocol
 #
@@ -1176,8 +1171,10 @@ class AtariEnv:
 
     continuous = False
     resets_within_step = False
+    frames = True
 
     def __init__(self, env_id: str, num_envs: int, config: AtariConfig):
+        import ale_py
         from ale_py.vector_env import AtariVectorEnv
 
         self.num_envs, self.life_loss, self.max_frames = num_envs, config.life_loss, config.max_episode_frames
@@ -1237,31 +1234,17 @@ class AtariEnv:
         return frames, state, jnp.sign(points).astype(jnp.float32), terminated, truncated, info
 
 
-class NatureActorCritic(nn.Module):
-    """For Atari frames: the DQN paper's "Nature CNN" torso, shared by a policy head and a value head.
+def atari_ids() -> list[str]:
+    """Every Atari id gymnasium knows once ale-py has registered its games; none without ale-py."""
+    try:
+        import ale_py  # imported here, not at the top: only Atari needs it
+    except ImportError:
+        return []
+    gym.register_envs(ale_py)
+    return sorted(env_id for env_id, spec in gym.registry.items() if spec.entry_point == "ale_py.env:AtariEnv")
 
-    Frames arrive as `uint8` stacks, channels first as the vector env writes them, and are scaled to
-    [0, 1]: the first layer takes their integers, exact in float32 and bfloat16 alike, and scales
-    its products by 1/255, which is the same function. The convolutions take the channels first and
-    the batch last. The 512-unit layer reads the last map flattened with its channels last, as
-    `nn.Dense` reads a channels-last map, and computes its products in `rows_product` (both
-    choices: Hardware choices, Part 3).
-    """
 
-    n_actions: int
-    dtype: Any = jnp.float32
-    """What the torso's products compute in: float32, or bfloat16 (`--precision`, Part 3)."""
-
-    @nn.compact
-    def __call__(self, obs: jax.Array) -> tuple[Categorical, jax.Array]:
-        x = jnp.moveaxis(obs, (-3, -2, -1), (0, 1, 2))                                  # 4 x 84 x 84 x batch
-        x = nn.relu(Convolution(32, 8, stride=4, dtype=self.dtype, scale=1 / 255)(x))   # -> 32 x 20 x 20
-        x = nn.relu(Convolution(64, 4, stride=2, dtype=self.dtype)(x))                  # -> 64 x 9 x 9
-        x = nn.relu(Convolution(64, 3, dtype=self.dtype)(x))                            # -> 64 x 7 x 7
-        x = jnp.moveaxis(x, (0, 1, 2), (-1, -3, -2))                                    # -> batch x 7 x 7 x 64
-        x = x.reshape(*x.shape[:-3], -1)                                                # -> batch x 3136
-        hidden = nn.relu(dense(512, name="Dense_0", layer=RowsDense, dtype=self.dtype)(x))
-        return Categorical(dense(self.n_actions, 0.01, name="policy")(hidden)), dense(1, 1.0, name="value")(hidden)[..., 0]
+OTHER_ENVS.append((lambda env_id: env_id in atari_ids(), AtariEnv))
 
 
 # ## Part 3: Running it for real
@@ -1284,9 +1267,6 @@ class NatureActorCritic(nn.Module):
 class RunConfig(AtariConfig):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where JAX runs (`auto`: a GPU when JAX finds one)."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """Atari: arithmetic of the torso's products, its convolutions and 512-unit layer (`auto`: bfloat16
-    on a CPU with AMX or AVX-512 BF16, float32 elsewhere); the heads, and every other network, are float32."""
     run_dir: str | None = None
     """Where TensorBoard events and checkpoints go (default: runs/<env>__<seed>__<time>)."""
     checkpoint_every: int = 100
@@ -1299,7 +1279,8 @@ class RunConfig(AtariConfig):
     eval_episodes: int = 10
     """Episodes to play with `--eval`."""
     capture_video: bool = False
-    """With `--eval`, write each episode to an mp4 in <run dir>/videos (on gymnax, the first agent's)."""
+    """Record episodes to mp4s in <run dir>/videos: while training, one of the first agent's at every checkpoint (and
+    to W&B with `--track`); with `--eval`, each evaluation episode (on gymnax, the first agent's)."""
     track: bool = False
     """Send the run to Weights & Biases, as CleanRL does: its TensorBoard scalars, and the videos of
     `--eval --capture-video` (needs `pip install wandb`)."""
@@ -1321,24 +1302,16 @@ RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.n
 # environments x 128 steps, 8 minibatches, and a learning rate of 5e-3, twenty times CartPole's; the
 # rest are the defaults above, which are also that notebook's (its clip range is not annealed, and
 # its networks are two separate MLPs of 64 units on the flattened grid, where ours is the MinAtar
-# paper's CNN). The learning rate is what matters. This preset first had 5e-4. On Breakout-MinAtar,
-# four agents (seed 1, the 10M-step schedule) then stalled: three of them at a return of about 7
-# (6.4 to 7.0) from 2M steps on, the fourth at 28.9 by 4.8M, when the run was stopped (a mean of
-# 12.3). With 5e-3 the same four were at 24.4 to 47.5 by 2M steps (the curves: `minatar-lr5e-4`
-# and `minatar-breakout-jax` in `benchmarks/results/`), and ended at 28.8 to 75.2 after 10M, a mean
-# of 50.2, against about 40 at the end of PureJaxRL's run.
+# paper's CNN). The learning rate is what matters: with 5e-4, three of four Breakout-MinAtar agents
+# stalled at about 7 from 2M steps on; with 5e-3 the same four were at 24.4 to 47.5 by 2M and ended
+# at 28.8 to 75.2 after 10M (`minatar-lr5e-4` and `minatar-breakout-jax` in `benchmarks/results/`).
 #
-# Pendulum's were found here, in the style of rl-zoo's (a short discount, large
-# batches, ten epochs, no entropy bonus), not the PPO paper's MuJoCo settings (its Table 3: one
-# actor, a horizon of 2048, 10 epochs of minibatches of 64, 3e-4, a discount of 0.99), with a
-# learning rate of 1e-3 before observations and rewards were normalised; normalised, a rate of 3e-4
-# (the PPO paper's and CleanRL's for MuJoCo) and a value loss left unclipped measured best (a random
-# policy scores about -1,200). Each agent's return below is the mean of its last 100 episodes after
-# 1M steps; its steps to -250, the steps it took until the mean return of an update's episodes first
-# reached -250. Each run is four agents, `python ppo_jax.py --env Pendulum-v1 --num-seeds 4 --seed S`
-# for S = 1, 2 (and 3 in three rows), with `--learning-rate` and `--clip-value-loss` as the row says
-# (the first row: this file with the `Normalizer` left out of `init`, which trains as the code before
-# the normalisers did, to the same steps to -250), on this project's 2-core CPU:
+# Pendulum's were found here, in the style of rl-zoo's (a short discount, large batches, ten epochs,
+# no entropy bonus): normalised, a rate of 3e-4 (the PPO paper's and CleanRL's for MuJoCo) and an
+# unclipped value loss measured best (a random policy scores about -1,200). Below, each agent's mean
+# return over its last 100 episodes after 1M steps, and the steps until an update's episodes first
+# averaged -250; each run four agents, `python ppo_jax.py --env Pendulum-v1 --num-seeds 4 --seed S`
+# (the first row: the `Normalizer` left out of `init`), on this project's 2-core CPU:
 #
 # | observations, rewards | rate | value loss | return of each agent, by seed | mean, by seed | steps to -250 (thousands) |
 # |---|---|---|---|---|---|
@@ -1348,22 +1321,14 @@ RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.n
 # | normalised | 3e-4 | clipped | -142, -158, -159, -160; -152, -127, -151, -158 | -154.8; -147.2 | 106, 131, 111, 152; 119, 106, 123, 115 |
 # | normalised | 3e-4 | not clipped (the preset) | -143, -156, -159, -156; -150, -128, -151, -157; -161, -154, -156, -166 | -153.6; -146.4; -159.4 | 94, 78, 78, 78; 78, 86, 78, 90; 86, 82, 70, 74 |
 #
-# At the rate found for raw observations, normalised agents fail: three of twelve unclipped (three
-# of eight clipped) settle into swinging the pendulum round and round, one way (the running mean
-# of their angular velocity is 1.3 to 2.3, against at most 0.5 for the others), or lose what they
-# had learned, which none of the raw ones did. At 3e-4 all twenty learn and end where the raw
-# agents end; unclipped, they reach -250 in about a third of the raw agents' steps. There the clip
-# changes the final returns by about a point and takes half as many steps again to reach -250,
-# and the preset leaves it off.
+# At 1e-3, some normalised agents swing the pendulum round and round or lose what they had learned.
+# At 3e-4 all twenty learn and end where the raw agents end; unclipped, they reach -250 in about a
+# third of the raw agents' steps, and the clip, which changes little else, is left off.
 #
-# MountainCarContinuous-v0 learns nothing, raw or normalised: in four runs of four agents
-# (`--env MountainCarContinuous-v0 --num-seeds 4`: raw; normalised at 1e-3, clipped and not; and at
-# this preset), every agent learned within its first 66,000 to 131,000 steps to push as little as
-# it can (a return above -1 in episodes cut at 999 steps, from about -40 at first). In the 16M
-# steps of them all, one environment reached the flag (+100) once, by chance, in its first
-# episode, and its agent learned nothing from it. Only a policy that explores far enough to reach
-# the flag now and then can learn that it is there; this preset, tuned on Pendulum, has no entropy
-# bonus.
+# MountainCarContinuous-v0 learns nothing, raw or normalised (four runs of four agents): every agent
+# learned within 131,000 steps to push as little as it can (a return above -1, from about -40). Only a
+# policy that explores far enough to reach the flag now and then learns that it is there, and this
+# preset, tuned on Pendulum, has no entropy bonus.
 PRESETS: dict[str, dict[str, Any]] = {
     "classic control": {},
     "continuous control": dict(total_timesteps=1_000_000, num_envs=16, num_steps=256, num_minibatches=32,
@@ -1507,8 +1472,6 @@ def check_config(config: RunConfig, family: str) -> None:
     if family == "Atari" and config.num_seeds > 1:
         raise ConfigError("--num-seeds is for gymnax environments: an Atari run's games are one C++ vector "
                           "environment, which vmap cannot copy for each agent; train one agent per process")
-    if config.capture_video and config.eval is None:
-        raise ConfigError("--capture-video records evaluation episodes; use it with --eval CHECKPOINT")
 
 
 # The environments this page trains on, by kind; each kind starts from its preset in Part 1. Any
@@ -1519,12 +1482,6 @@ GYMNAX_FAMILIES = {
     "Asterix-MinAtar": "MinAtar", "Breakout-MinAtar": "MinAtar", "Freeway-MinAtar": "MinAtar",
     "Seaquest-MinAtar": "MinAtar", "SpaceInvaders-MinAtar": "MinAtar",
 }
-
-
-def atari_ids() -> list[str]:
-    """Every Atari id gymnasium knows once ale-py has registered its games."""
-    gym.register_envs(ale_py)
-    return sorted(env_id for env_id, spec in gym.registry.items() if spec.entry_point == "ale_py.env:AtariEnv")
 
 
 def resolve_env(name: str) -> tuple[str, str]:
@@ -1547,7 +1504,13 @@ def resolve_env(name: str) -> tuple[str, str]:
     close = difflib.get_close_matches(name, list(GYMNAX_FAMILIES) + list(short_names) + ids, n=3, cutoff=0.6)
     hint = (f"; did you mean {', '.join(close)}?" if close
             else "; names look like CartPole-v1, Breakout-MinAtar or Breakout (Atari)")
+    if not ids:
+        hint += " (Atari games need ale-py, which is not installed)"
     raise ConfigError(f"unknown environment {name!r}{hint}")
+
+
+# Flags of earlier versions, and why they are gone: a script or a habit that still passes one is told so.
+REMOVED_FLAGS = {"--precision": "the networks compute in float32 on every device (Hardware choices, in the page)"}
 
 
 def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, str]:
@@ -1556,6 +1519,9 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
     A new run starts from its environment's preset; a resumed or evaluated run from the
     checkpoint's hyperparameters. Flags given on the command line override either.
     """
+    for flag, why in REMOVED_FLAGS.items():
+        if any(arg == flag or arg.startswith(flag + "=") for arg in (sys.argv[1:] if argv is None else argv)):
+            raise ConfigError(f"{flag} is gone: {why}")
     given = vars(build_parser().parse_args(argv))
     checkpoint = None
     base: dict[str, Any] = {}
@@ -1586,347 +1552,41 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 
 # ### Hardware choices
 #
-# Five choices in Part 1 are made for XLA's CPU backend. The first four hold on every backend, so
-# that the program, and what it computes, is the same everywhere; the last, the torso's precision,
-# is made per machine, as `ppo_atari.py` makes it:
+# Part 1 is written for every backend alike. Two things are chosen here for XLA's CPU backend:
 #
-# * **Convolutions as matrix products.** Inside a loop, and the update is two nested scans, XLA's
-#   CPU backend computes a convolution's gradient with a generic, unoptimised kernel (jax-ml/jax
-#   issue 12868). Measured here with jaxlib 0.10.2, one gradient step of the Nature CNN on 256
-#   frames took 3.67 s inside a scan against 0.46 s outside it; as a matrix product over the windows
-#   of the input (`patches`) it takes 0.13 s inside a scan and 0.17 s outside (`python
-#   benchmarks/ppo_jax_profile.py --convolutions`). The networks' convolutions are therefore
-#   `Convolution`, below: the same function as flax's `nn.Conv`, computed another way. The Nature
-#   CNN's 512-unit layer, which reads the last 7 x 7 x 64 map flattened, is `nn.Dense`'s product
-#   with its gradients written out (`rows_product`), so that they take the forms of the next item
-#   too. Another
-#   way of computing the first layer was slower, measured with the former layout (next item): one
-#   product over the unshifted input whose outputs are shifted and summed (the first layer's
-#   gradient alone twice as slow: 0.28 s for 256 frames against 0.14 s).
-# * **Channels first, each window a column.** A layer's matrix product comes three times in a
-#   gradient step: in the forward pass, and in the backward pass for the gradient with respect to
-#   the layer's input and for the one with respect to its weights. jaxlib 0.10.2's CPU backend gives
-#   a product to its fast library, YNNPACK, in some layouts of the operands, and to Eigen, slower
-#   here, in the others. With the channels last, as flax lays a batch out, each window is a row
-#   (`[N, K]`: N windows of K values), and the weight gradient, as autodiff writes it, contracts the
-#   first axis of both operands; XLA gave it to Eigen, and it took 53 ms of a minibatch's 116 ms of
-#   products. With the channels first, each window a column (`[K, N]`), all three products can be
-#   written in forms XLA gives to YNNPACK, and `columns_product` writes its gradients out in them:
-#   the weight gradient contracts the last axes of the windows and of the output's gradient. The
-#   products now take 76 ms a minibatch (forward 32, input gradients 17, weight gradients 27), and
-#   an update of 8 games x 128 steps 2.09 s against 2.92 s with the channels last
-#   (`python benchmarks/ppo_jax_speed.py --part atari`, the two versions one after the other). The
-#   networks compute the same function from the same parameters, initialised alike: `Convolution`
-#   keeps `dense`'s parameter names and shapes, the Nature CNN's 512-unit layer reads its map
-#   flattened as a channels-last map is, the MinAtar CNN lays its convolution's output
-#   channels last again before flattening it, and a test checks both CNNs against their
-#   channels-last definitions written with flax's `nn.Conv`. Atari's frames arrive channels first in
-#   any case. A profile of that update (`python benchmarks/ppo_jax_profile.py`, 16 minibatches of
-#   256 frames in 2.1 s) put 58% of it in the products, 30% in the copies that build the windows
-#   (23% for the first layer's alone) and 12% in the rest. With the minibatches cut from one
-#   shuffled copy (two items down), and still with the batch first (next item), the float32 update
-#   took 1.74 s under the profiler: 71 ms a minibatch in the products, all of them in YNNPACK, 17 ms
-#   in the windows' copies and 21 ms in the rest.
-# * **The batch last.** The maps between the layers are laid out `[C, H, W, N]`: channels, rows,
-#   columns, then the batch, where flax (and PyTorch) put the batch first. The windows are the same
-#   columns in another order, but the copies that build them are not the same work. A shifted slice
-#   of a `[C, N, H, W]` map is a run of a few pixels (7 to 20) per row of each frame, and XLA's loop
-#   that gathers those runs, strided as well for the layers with a stride, ran well below the speed
-#   of a plain copy; a shifted slice of a `[C, H, W, N]` map is a run of whole rows of pixels times
-#   the batch (thousands of values), which it copies at close to memory speed. Folding a gradient
-#   back into a map is the same work in reverse. Measured on the update of 8 games x 128 steps in
-#   bfloat16, the two layouts alternated in one process (a scratch script outside git, medians of
-#   8): 1.37, 1.42 and 1.41 s with the batch first against 1.24, 1.23 and 1.22 s with it last, over
-#   three runs, and 1.52 against 1.45 s later, the machine busier (the commits before and after,
-#   medians of 6). Under the profiler, the second layer's windows took 2.0 ms a minibatch against
-#   5.0, the third's 2.2 against 5.4, and folding the second layer's gradient back 1.8 against 3.1.
-#   The first layer's windows are built from the frames themselves, and in the update they got
-#   cheaper only once the frames too reached it batch last (next item). In float32 the two layouts
-#   were within the noise of each other: 1.83 s against 1.94 s, 1.97 against 1.88 and 1.94 against
-#   1.93 in three alternated runs (batch first, then last), and 2.00 s against 1.94 s under the
-#   profiler. The frames enter the torso batch first, as the vector env writes them and every other
-#   network here takes its input, and the map leaves it batch first, flattened channels last
-#   (`NatureActorCritic`); the parameters are unchanged.
-# * **Minibatches cut from one shuffled copy of the batch, at fixed indices.** Each epoch shuffles
-#   the batch once and cuts it into minibatches, as PureJaxRL does, rather than gathering each
-#   minibatch's frames from the batch as it is used. XLA fused such a gather into the copies that
-#   build the first layer's windows, which then took 26 ms a minibatch in float32, against 8 ms with
-#   the shuffled copy (the update profiled as `python benchmarks/ppo_jax_profile.py` profiles it).
-#   Two more things keep those copies fast, both for images only (`images` in `make_update_agent`;
-#   vectors are scanned over as they are). The shuffled copy holds the frames batch last, each
-#   minibatch `[4, 84, 84, N]`, and the network's move of the batch to the end cancels the update's
-#   move of it back to the front, so the windows are cut from frames laid out as the maps after them
-#   are (previous item). And the scan runs over the minibatches' indices, each minibatch taken by
-#   `lax.switch` among slices cut at indices fixed when the program is compiled: a scan over the
-#   minibatches themselves reads each one at an index known only when it runs, and XLA fused that
-#   dynamic slice into the loop that builds the windows, which then ran at a fraction of a copy's
-#   speed (in a small program, 15 to 24 ms reading a slice at a traced index against 2.3 ms at a
-#   fixed one). Either alone was not enough, measured in the update: with the frames batch last but
-#   read at the scan's index, the first layer's windows took 15 ms a minibatch (14 before); taken
-#   through `lax.switch` but batch first, 11 ms, XLA's layout assignment having laid the slice it
-#   copies out batch first, so that the loop moved the batch once more. Together, the bfloat16
-#   update of 8 games x 128 steps took 1.02 s against 1.14 s (the commits before and after
-#   alternated in one process, medians of 6), its losses and parameters the same to the bit. Under
-#   the profiler, the same hour, the first layer's windows took 2.0 ms a minibatch against 16.5 (the
-#   update 1.28 s against 1.58 s, on a busy machine); what the path for images adds is the copy that
-#   moves the frames' batch to the end, once an epoch, 2.7 ms a minibatch (in an update of 1.01 s on
-#   an idle machine). The minibatches, and what is computed from them, are the same; a test checks
-#   that an update from images equals one from the same images given as vectors.
-# * **bfloat16 on a CPU that multiplies in it, float32 elsewhere** (`--precision`, as
-#   `ppo_atari.py`'s). On a CPU with AMX or AVX-512 BF16, the torso's products (the three
-#   convolutions and the 512-unit layer) take their operands in bfloat16 and sum in float32; the
-#   parameters, the heads, the loss and Adam stay in float32. jaxlib 0.10.2's CPU backend keeps a
-#   bfloat16 product in bfloat16 only in some forms: its first operand a matrix of its own, laid
-#   out row by row, whose last axis is contracted, and its result float32. In other forms it
-#   converts the operands back to float32 first, so that bfloat16 only adds copies (a torso written
-#   like the float32 one made the update 3.7 s against 1.9 s), and one form tried for the dense
-#   layer failed when run ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32").
-#   `bfloat16_windows_product` and `rows_product` write their three products in the forms that
-#   stay in bfloat16. Three more things were needed. XLA's loops that copy bfloat16 values into
-#   windows were slower than its float32 ones (72 ms a minibatch for the first layer's, against
-#   30), so the windows are copied as their 16-bit patterns, integers to XLA. The frames enter the
-#   first layer as their integers, which bfloat16 holds exactly, its output scaled by 1/255
-#   afterwards (the same function; float32 does it too). And no bfloat16 product takes the
-#   512-unit layer's kernel transposed: XLA's transposition of its 1.6 million weights into
-#   bfloat16 took about 3 ms a minibatch, more than the layer's forward product (2.0 ms), where the same
-#   transposition in float32 took 0.5 ms. `rows_product` multiplies the rows of the flattened map by
-#   the kernel as it is stored, and copies the map a second time, as columns, for the kernel's
-#   gradient. Measured here (an AMD EPYC with AVX-512 BF16; `python
-#   benchmarks/ppo_jax_speed.py --part atari`, medians of 2), the update of 8 games x 128 steps took
-#   0.98 s in bfloat16 against 1.60 s in float32, and a whole iteration ran at 716 steps a second
-#   against 494. It learns as float32 does, as far as one seed shows (trained before the 512-unit
-#   layer took its kernel as stored, which computes the same products): seed 1 of Breakout in
-#   bfloat16 scored 11.3, 15.1, 19.4 and 23.2 (the real score of the last 100 games at 250k, 500k,
-#   750k and 1M steps, the 10M schedule), between the two float32 seeds of Part 1's curve (seed 1:
-#   11.5, 15.0, 19.0 and 27.4; seed 2: 11.2, 14.6, 18.6 and 19.0), whose mean at 1M is also 23.2.
-#   On a GPU, and on a CPU without bfloat16 in hardware, `auto` keeps float32.
-# * **Agents initialised one at a time.** Under `vmap` over seeds, `network.init` would factorise a
-#   batch of matrices at once for the orthogonal initialisation, and jaxlib 0.10.2's batched QR on
-#   the CPU can deadlock: its LAPACK kernel waits for sub-tasks on the thread pool that its own
-#   calls fill. On this project's 2-core CPU, initialising 16 CartPole agents hung within its first
-#   three calls in each of two tries, and so did a 16-seed benchmark. `make_train` therefore
-#   initialises the agents of a `vmap` in a loop, one matrix at a time (`sequential_vmap`). It runs
-#   once per training run, so the loop costs nothing, and each agent starts from the very weights it
-#   would start from alone (a test checks it).
+# * **Convolutions as products of windows, on a CPU.** Inside a scan, XLA's CPU backend computes
+#   `nn.Conv`'s gradient with a generic, unoptimised kernel (jax-ml/jax issue 12868): with jaxlib
+#   0.10.2, a gradient step of the Nature CNN on 256 frames took 3.67 s inside a scan, 0.46 s outside
+#   it, and 0.13 s as products of windows (an earlier form of this layer). On a CPU the networks'
+#   convolution is therefore `PatchConv`, `nn.Conv` computed as one matrix product over its input's
+#   windows; a checkpoint moves between it and `nn.Conv` (`benchmarks/README.md`: the measurements).
+# * **Agents initialised one at a time** (`sequential_vmap` in `make_train`): under `vmap`, jaxlib
+#   0.10.2's batched QR for the orthogonal initialisation can deadlock on the CPU (16 CartPole agents
+#   hung here). Each agent starts from the very weights it would start from alone (a test checks it).
 #
 # `choose_device` points JAX at the device asked for, before it computes anything.
 
 
-def patches(x: jax.Array, kernel: int, stride: int) -> jax.Array:
-    """`[C, H, W, ...] -> [kernel * kernel * C, H', W', ...]`: the `kernel x kernel` window under each output pixel.
-
-    Channels come first, the batch last, and each window is a column. With a stride, each `stride x
-    stride` block of pixels is first folded into the channels ("space to depth"), which turns the
-    strided window into a `kernel / stride` window at stride 1; the windows are then `(kernel /
-    stride)^2` shifted slices, one above the other. A window's values are ordered by the block's
-    row and column, then the pixel's row and column within the block, then the channel.
-    """
-    if stride > 1:
-        channels, height, width, *batch = x.shape
-        height, width = height // stride, width // stride
-        x = x[:, :height * stride, :width * stride].reshape(channels, height, stride, width, stride, *batch)
-        x = x.transpose(2, 4, 0, 1, 3, *range(5, x.ndim)).reshape(stride * stride * channels, height, width, *batch)
-        kernel //= stride
-    height, width = x.shape[1] - kernel + 1, x.shape[2] - kernel + 1
-    return jnp.concatenate([x[:, i:i + height, j:j + width] for i in range(kernel) for j in range(kernel)], axis=0)
-
-
-@jax.custom_vjp
-def columns_product(kernel: jax.Array, columns: jax.Array) -> jax.Array:
-    """`kernel.T @ columns`, `[K, F]` and `[K, N]` to `[F, N]`: a dense layer applied to each column.
-
-    Its gradients are written out (below) so that each of the three products is in the form XLA's
-    CPU backend gives to YNNPACK (see Hardware choices): `kernel.T` is made a matrix of its own (the
-    barrier keeps XLA from folding the transposition into the product), and the weight gradient
-    contracts the last axes of the columns and of the output's gradient.
-    """
-    return jax.lax.optimization_barrier(kernel.T) @ columns
-
-
-def columns_product_forward(kernel: jax.Array, columns: jax.Array) -> tuple[jax.Array, tuple]:
-    """The product, and what its gradients need: both operands."""
-    return columns_product(kernel, columns), (kernel, columns)
-
-
-def columns_product_backward(saved: tuple, grad: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Given the output's gradient `grad` (`[F, N]`): the kernel's, `columns @ grad.T`, and the columns', `kernel @ grad`."""
-    kernel, columns = saved
-    kernel_grad = jax.lax.dot_general(columns, grad, (((1,), (1,)), ((), ())))  # [K, N] with [F, N] -> [K, F]
-    return kernel_grad, kernel @ grad
-
-
-columns_product.defvjp(columns_product_forward, columns_product_backward)
-
-
-def windows_product(kernel: jax.Array, x: jax.Array, size: int, stride: int) -> jax.Array:
-    """A dense layer's `kernel` applied to every `size x size` window of `x`: `[C, H, W, ...] -> [F, H', W', ...]`.
-
-    In float32; `x` may be integers (Atari's frames), converted as their windows are built.
-    """
-    windows = patches(x, size, stride)
-    columns = windows.reshape(windows.shape[0], -1).astype(jnp.float32)
-    return columns_product(kernel, columns).reshape(kernel.shape[1], *windows.shape[1:])
-
-
-def row_major(matrix: jax.Array, dtype: Any = jnp.bfloat16) -> jax.Array:
-    """`matrix` in `dtype`, copied into a matrix of its own laid out row by row (why: see Hardware choices).
-
-    Going through one axis fixes the layout, rows one after the other, and the barrier keeps XLA
-    from folding a transposition into the product that uses the matrix.
-    """
-    return jax.lax.optimization_barrier(matrix.astype(dtype).reshape(-1)).reshape(matrix.shape)
-
-
-def matrix_product(a: jax.Array, b: jax.Array, contract: int) -> jax.Array:
-    """`a`'s last axis contracted with `b`'s axis `contract`, in the operands' precision, the sums and the result in float32."""
-    return jax.lax.dot_general(a, b, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def bfloat16_windows_product(kernel: jax.Array, x: jax.Array, size: int, stride: int) -> jax.Array:
-    """`windows_product` with its three products in bfloat16, their sums in float32; the output float32.
-
-    `x` is float32, or integers that bfloat16 holds exactly (Atari's frames, 0 to 255). It is
-    rounded to bfloat16 before its windows are built, which are then copies of 16-bit patterns, as
-    fast in XLA as copies of integers; a float input's gradient is folded back from the windows' in
-    float32 (why: see Hardware choices).
-    """
-    return bfloat16_windows_product_forward(kernel, x, size, stride)[0]
-
-
-def bfloat16_windows_product_forward(kernel: jax.Array, x: jax.Array, size: int, stride: int) -> tuple[jax.Array, tuple]:
-    """The product, and what its gradients need: the kernel and the windows in bfloat16, and `x`."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-    windows = jax.lax.bitcast_convert_type(patches(bits, size, stride), jnp.bfloat16)
-    columns = windows.reshape(windows.shape[0], -1)
-    outputs = matrix_product(row_major(kernel.T), columns, 0)  # [F, K] with [K, N] -> [F, N]
-    return outputs.reshape(kernel.shape[1], *windows.shape[1:]), (row_major(kernel), columns, x)
-
-
-def bfloat16_windows_product_backward(size: int, stride: int, saved: tuple, grad: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Given the output's gradient `grad`, the kernel's (`columns @ grad.T`) and `x`'s (`kernel @ grad`, folded back)."""
-    kernel, columns, x = saved
-    grad = grad.reshape(grad.shape[0], -1).astype(jnp.bfloat16)
-    kernel_grad = matrix_product(columns, grad, 1)  # [K, N] with [F, N] -> [K, F]
-    if jnp.issubdtype(x.dtype, jnp.integer):  # frames: no gradient
-        return kernel_grad, np.zeros(x.shape, jax.dtypes.float0)
-    windows_grad = matrix_product(kernel, grad, 0)  # [K, F] with [F, N] -> [K, N]
-    windows, fold_back = jax.vjp(lambda x: patches(x, size, stride), x)
-    return kernel_grad, fold_back(windows_grad.reshape(windows.shape))[0]
-
-
-bfloat16_windows_product.defvjp(bfloat16_windows_product_forward, bfloat16_windows_product_backward)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def rows_product(x: jax.Array, kernel: jax.Array, dtype: Any) -> jax.Array:
-    """`x @ kernel`, `[N, K]` and `[K, F]` to `[N, F]`: a dense layer applied to each row, its three
-    products in `dtype` (float32 or bfloat16), summed in float32; `x` and the output float32.
-
-    The 512-unit layer's. Its gradients are written out in the forms XLA gives to YNNPACK and
-    keeps in bfloat16 (see Hardware choices): every product takes the kernel as it is stored, and
-    `x` is copied once more, as columns, for the kernel's gradient. A transposed kernel would be a
-    bfloat16 copy of 1.6 million weights at every minibatch, which took longer than the forward
-    product itself.
-    """
-    return matrix_product(row_major(x, dtype), kernel.astype(dtype), 0)
-
-
-def rows_product_forward(x: jax.Array, kernel: jax.Array, dtype: Any) -> tuple[jax.Array, tuple]:
-    """The product, and what its gradients need: the kernel and `x`'s columns (`x.T`), in `dtype`."""
-    return rows_product(x, kernel, dtype), (kernel.astype(dtype), row_major(x.T, dtype))
-
-
-def rows_product_backward(dtype: Any, saved: tuple, grad: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Given the output's gradient `grad` (`[N, F]`): `x`'s, `grad @ kernel.T`, and the kernel's, `x.T @ grad`."""
-    kernel, columns = saved
-    grad = grad.astype(dtype)
-    return matrix_product(grad, kernel, 1), matrix_product(columns, grad, 0)  # [N, F] with [K, F]; [K, N] with [N, F]
-
-
-rows_product.defvjp(rows_product_forward, rows_product_backward)
-
-
-class RowsDense(nn.Dense):
-    """`nn.Dense`, with the same parameters and function, its products in `dtype` (float32 or
-    bfloat16) through `rows_product`; the output float32."""
+class PatchConv(nn.Conv):
+    """`nn.Conv` without padding, the same parameters, computed as a matrix product over the windows of its input:
+    one strided slice of the input per position in the kernel, in the order of the kernel `[height, width, in, out]`."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
+        (height, width), (row_stride, column_stride) = self.kernel_size, self.strides
+        kernel = self.param("kernel", self.kernel_init, (height, width, x.shape[-1], self.features), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-        rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-        return rows_product(rows, kernel, self.dtype or jnp.float32).reshape(*x.shape[:-1], self.features) + bias
+        rows = (x.shape[-3] - height) // row_stride + 1
+        columns = (x.shape[-2] - width) // column_stride + 1
+        windows = jnp.concatenate([x[..., i:i + row_stride * (rows - 1) + 1:row_stride,
+                                     j:j + column_stride * (columns - 1) + 1:column_stride, :]
+                                   for i in range(height) for j in range(width)], axis=-1)
+        return windows @ kernel.reshape(-1, self.features) + bias
 
 
-class WindowsDense(nn.Dense):
-    """`nn.Dense`, with the same parameters, applied to every `window x window` window of an image laid
-    out channels first and batch last: `[C, H, W, ...] -> [features, H', W', ...]`, its products in
-    `dtype` (float32 or bfloat16).
-
-    `scale` multiplies the products before the bias is added: the input scaled by it, folded into
-    the output (the product is linear).
-    """
-
-    window: int = 1
-    stride: int = 1
-    scale: float = 1.0
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", self.kernel_init, (self.window ** 2 * x.shape[0], self.features), self.param_dtype)
-        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-        product = bfloat16_windows_product if self.dtype == jnp.bfloat16 else windows_product
-        outputs = product(kernel, x, self.window, self.stride)
-        if self.scale != 1.0:
-            outputs = outputs * self.scale
-        return outputs + bias.reshape(-1, *[1] * (outputs.ndim - 1))
-
-
-class Convolution(nn.Module):
-    r"""A convolution without padding, channels first and batch last: `[C, H, W, ...] -> [features, H', W', ...]`.
-
-    The same function as `nn.Conv(features, (kernel, kernel), strides=stride, padding="VALID")` on
-    channels-last images, computed as a dense layer applied to every window of the input, a matrix
-    product over `patches` (why: see above). The weights are `dense`'s, initialised alike (gain
-    $\sqrt 2$), with the same names and shapes; `kernel` must be a multiple of `stride`, as it is
-    in both networks that use it, Part 1's MinAtar CNN and Part 2's Nature CNN. With `dtype`
-    bfloat16 the products compute in bfloat16 and sum in float32 (`--precision`); the parameters
-    and the output stay float32. `scale` multiplies the products before the bias: the input scaled.
-    """
-
-    features: int
-    kernel: int
-    stride: int = 1
-    dtype: Any = jnp.float32
-    scale: float = 1.0
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return dense(self.features, name="Dense_0", layer=WindowsDense, window=self.kernel, stride=self.stride,
-                     dtype=self.dtype, scale=self.scale)(x)
-
-
-def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware: Intel's AMX (`amx_bf16`) or AVX-512 BF16
-    (`avx512_bf16`: AMD Zen 4 and later, some Intel Xeons), read from /proc/cpuinfo."""
-    try:
-        flags = set((Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo).split())
-    except OSError:
-        return False
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
-
-
-def atari_dtype(precision: str) -> Any:
-    """What the Nature CNN's torso computes its products in, for `--precision` on the device JAX now uses.
-
-    `auto` takes bfloat16 where it shortens training: on a CPU that multiplies in it natively (see
-    Hardware choices), as `ppo_atari.py`'s `auto` does. On a GPU, and on a CPU without it, `auto`
-    keeps float32.
-    """
-    if precision == "auto":
-        return jnp.bfloat16 if jax.default_backend() == "cpu" and cpu_has_fast_bf16() else jnp.float32
-    return jnp.bfloat16 if precision == "bf16" else jnp.float32
+def convolution_layer() -> Callable[..., nn.Module]:
+    """The networks' convolution layer on the backend JAX now uses: `PatchConv` on a CPU, `nn.Conv` elsewhere."""
+    return PatchConv if jax.default_backend() == "cpu" else nn.Conv
 
 
 def choose_device(requested: str) -> str:
@@ -1958,11 +1618,8 @@ CHECKPOINT_FORMAT = "ppo_jax/1"
 
 
 def storable(runners: Runner) -> Runner:
-    """`runners` as a checkpoint holds them: keys as their words, and no Atari games.
-
-    An Atari game's state lives in the vector env's C++ threads, out of reach: a resumed Atari run
-    starts new games (as `ppo_atari.py`'s does), with the agent, its key and its counters restored.
-    """
+    """`runners` as a checkpoint holds them: keys as their words, and no Atari games, which live in the vector
+    env's C++ threads: a resumed Atari run starts new games (as `ppo_atari.py`'s does)."""
     env_state = () if isinstance(runners.env_state, AtariState) else runners.env_state
     return runners._replace(key=jax.random.key_data(runners.key), env_state=env_state)
 
@@ -2024,6 +1681,11 @@ def load_checkpoint(path: str) -> dict:
                 raise ConfigError(f"checkpoint {path} has no {'.'.join(names)}: it is damaged, or from another "
                                   f"version of {PROG}")
             node = node[name]
+    layers = checkpoint["runners"]["agent"]["params"].get("params", {})
+    if isinstance(layers, dict) and any(name.startswith("Convolution_") for name in layers):
+        raise ConfigError(f"checkpoint {path} was written before {PROG}'s convolutions became flax's nn.Conv, and "
+                          "holds their weights in another layout (Convolution_0/Dense_0); this version cannot "
+                          "load it: train again, or use the version that wrote it")
     return checkpoint
 
 
@@ -2054,7 +1716,9 @@ def restore_tree(template: Any, state: Any, path: str) -> Any:
 #
 # TensorBoard events are written with tensorboard's own event-file writer and protocol buffers, so
 # that this page needs neither TensorFlow nor PyTorch. The tags are CleanRL's; the `losses/` tags
-# are the terms `ppo_loss` returns, whatever they are.
+# are the terms `ppo_loss` returns, whatever they are. With many agents (`--num-seeds`), the run's
+# writer gets each tag's mean over them and their spread, and every agent's own series go to one
+# file (`log_chunk`): what the host does between chunks does not grow with the number of agents.
 
 
 class EventWriter:
@@ -2096,22 +1760,6 @@ class EventWriter:
             raise naming(error, self.directory) from error
         finally:
             self.writer.close()
-
-
-def log_update(writer: EventWriter, metrics: dict[str, float], step: int) -> None:
-    """The schedules of one update, and every term of its loss that `update_agent` averaged, as `losses/<name>`."""
-    writer.add_scalar("charts/learning_rate", metrics["learning_rate"], step)
-    writer.add_scalar("charts/clip_range", metrics["clip_range"], step)
-    for name, value in metrics["losses"].items():
-        writer.add_scalar(f"losses/{name}", value, step)
-
-
-def log_episodes(writer: EventWriter, episodic_return: float, episodic_length: float, recent_return: float,
-                 step: int) -> None:
-    """The mean return and length of an update's episodes, and the mean return of the last 100 (see `SCORE_WINDOW`)."""
-    writer.add_scalar("charts/episodic_return", episodic_return, step)
-    writer.add_scalar("charts/episodic_length", episodic_length, step)
-    writer.add_scalar("charts/episodic_return_last_100", recent_return, step)
 
 
 class Progress:
@@ -2332,8 +1980,7 @@ def lock_run_dir(directory: Path) -> typing.IO:
 class Run:
     """The run directory, its lock, TensorBoard writers and checkpoint, and how a run ends."""
 
-    def __init__(self, config: RunConfig, env_id: str, checkpoint: dict | None, stop: SignalThread,
-                 seed_writers: int = 0):
+    def __init__(self, config: RunConfig, env_id: str, checkpoint: dict | None, stop: SignalThread):
         if checkpoint is not None:
             self.dir = Path(config.run_dir or Path(config.resume).parent)
         elif config.run_dir:
@@ -2364,22 +2011,25 @@ class Run:
             print(f"--total-timesteps {config.total_timesteps:,} is not a whole number of batches of "
                   f"{config.batch_size:,} steps: the run ends after {config.num_updates:,} updates, at "
                   f"{self.total_steps:,} steps", file=sys.stderr)
-        self.seed_writers = seed_writers
         self.writer: EventWriter | None = None
         self.writers: list[EventWriter] = []
+        self.agents_file: typing.BinaryIO | None = None
         self.tracking = None
 
     def open_writers(self) -> None:
-        """The run's writer (the mean over agents) and, for several agents, one per agent in `agent-<i>/`.
-
-        TensorBoard shows each directory as a run of its own, so every agent's curves and their
-        mean appear under the same tags.
-        """
+        """The run's writer and, for several agents, the file of every agent's series and a writer for each of
+        the first `AGENT_WRITERS`, in `agent-<i>/` (see `log_chunk`)."""
         if self.config.track:  # before the writers, so that wandb sees their events
             self.tracking = start_tracking(self.config, self.dir.name)
         threads = set(threading.enumerate())
         self.writer = EventWriter(self.dir)
-        self.writers = [EventWriter(self.dir / f"agent-{i}") for i in range(self.seed_writers)]
+        if self.config.num_seeds > 1:
+            self.writers = [EventWriter(self.dir / f"agent-{i}") for i in range(min(self.config.num_seeds,
+                                                                                    AGENT_WRITERS))]
+            try:
+                self.agents_file = open(self.dir / AGENTS_FILE, "ab")
+            except OSError as error:
+                raise naming(error, self.dir / AGENTS_FILE) from error
         self.writer_threads = set(threading.enumerate()) - threads
         self.excepthook = threading.excepthook
         threading.excepthook = self.writer_thread_failed
@@ -2398,6 +2048,12 @@ class Run:
         writers = [writer for writer in [self.writer, *self.writers] if writer is not None]
         self.writer, self.writers = None, []
         errors = []
+        if self.agents_file is not None:
+            try:
+                self.agents_file.close()
+            except OSError as error:
+                errors.append(naming(error, self.dir / AGENTS_FILE))
+            self.agents_file = None
         for writer in writers:
             try:
                 writer.close()
@@ -2490,23 +2146,19 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, stop
     """Train `num_seeds` agents (on Atari, one): `make_train`'s program, a chunk of the run at a time.
 
     A chunk is some updates of every agent, `train_chunk` under `vmap`; between chunks the run
-    writes TensorBoard events, shows its progress, saves a checkpoint every `--checkpoint-every`
-    updates and looks for a stop request. Chunks are sized by time, so that the progress line moves
-    and Ctrl-C is answered within `CHUNK_SECONDS` or so, whatever an update costs (a MinAtar update
-    takes a second on a 2-core CPU, a CartPole update 4 ms): the first chunk is one update, and
-    each next one as many as fit in `CHUNK_SECONDS` at the speed of the last. One program serves
-    them all, compiled for chunks of `length` updates (`--checkpoint-every`, at most
-    `LONGEST_CHUNK`): a shorter chunk skips the rest of the scan's steps (see `train_chunk`), at
-    about a microsecond each. (A compiled program can also call back into Python as it runs,
-    `jax.debug.callback`, to print progress after every update, say. We report between chunks
-    instead: JAX refuses to store a program with a host callback in its persistent compilation
-    cache, `JAX_COMPILATION_CACHE_DIR`, which otherwise spares a second run of the same
-    configuration its compilation.)
+    logs, shows its progress, saves a checkpoint every `--checkpoint-every` updates and looks for a
+    stop request. A call of a compiled program returns before the program has run, so the next
+    chunk starts as soon as the last one's metrics are in, and the host logs while the device
+    computes. Chunks are sized by time, so that the progress line moves and Ctrl-C is answered
+    within `CHUNK_SECONDS` or so, whatever an update costs (on a 2-core CPU a MinAtar update takes a
+    second, a CartPole update 4 ms): the first is one update, each next one as many as fit in
+    `CHUNK_SECONDS` at the last one's speed. One program, compiled for `length` updates, serves them
+    all: a shorter chunk skips the rest of its scan (see `train_chunk`). (Not `jax.debug.callback`
+    after every update: JAX's persistent compilation cache refuses a program with a host callback.)
     """
     choose_device(config.device)
-    run = Run(config, env_id, checkpoint, stop, seed_writers=config.num_seeds if config.num_seeds > 1 else 0)
-    dtype = atari_dtype(config.precision)
-    training = make_train(config, env_id, dtype)
+    run = Run(config, env_id, checkpoint, stop)
+    training = make_train(config, env_id, convolution_layer())
     keys = agent_keys(config)
     if checkpoint is None:
         runners = jax.jit(jax.vmap(training.init))(keys)
@@ -2531,39 +2183,52 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, stop
     started = time.perf_counter()
     length = min(config.checkpoint_every, config.num_updates, LONGEST_CHUNK)
     train_chunk = compile_train_chunk(training, length, runners, mesh)
-    torso = f" ({'bfloat16' if dtype == jnp.bfloat16 else 'float32'} torso)" if isinstance(training.env, AtariEnv) else ""
-    print(f"{env_id}: {config.num_seeds} agent(s){torso}, compiled in {time.perf_counter() - started:.1f} s; "
+    print(f"{env_id}: {config.num_seeds} agent(s), compiled in {time.perf_counter() - started:.1f} s; "
           f"logs and checkpoints in {run.dir}", file=sys.stderr)
     run.open_writers()
     progress.restart()
 
+    def dispatch(count: int) -> tuple[int, float, tuple]:
+        """Start the next chunk, of at most `count` updates, and return at once: JAX computes it meanwhile."""
+        count = min(count, config.checkpoint_every - update % config.checkpoint_every, config.num_updates - update)
+        return count, time.perf_counter(), train_chunk(runners, jnp.int32(count))
+
     def loop(stop: StopRequest) -> None:
         nonlocal runners, update
-        count = 1  # the first chunk: one update, to time it
-        while update < config.num_updates and not stop():
-            count = min(count, config.checkpoint_every - update % config.checkpoint_every, config.num_updates - update)
-            chunk_started = time.perf_counter()
-            new_runners, metrics = train_chunk(runners, jnp.int32(count))
-            metrics = jax.tree.map(lambda value: value[:count], jax.device_get(metrics))  # [count, agents]
-            seconds = time.perf_counter() - chunk_started
+        chunk = dispatch(1)  # the first chunk: one update, to time it
+        while chunk is not None:
+            count, dispatched, (new_runners, metrics) = chunk
+            metrics = jax.tree.map(lambda value: value[:count], jax.device_get(metrics))  # [count, agents]: waits
+            seconds = time.perf_counter() - dispatched
             broken = np.argwhere(metrics["diverged"])
             if broken.size:
                 at, agent = broken[0]
                 raise DivergedError.at(update + at + 1, float(metrics["largest_step"][at, agent]), agent)
-            runners = new_runners
-            log_gymnax_updates(run, metrics, update, config.batch_size,
-                               count * config.batch_size * config.num_seeds / seconds)
-            update += count
+            runners, first_update, update = new_runners, update, update + count
+            # The next chunk (as many updates as fit in `CHUNK_SECONDS` at this one's speed) starts
+            # before this one is logged, so that the device computes while the host writes.
+            chunk = None if update >= config.num_updates or stop() else dispatch(
+                max(1, min(length, int(CHUNK_SECONDS * count / seconds))))
+            log_chunk(run, metrics, first_update, config.batch_size,
+                      count * config.batch_size * config.num_seeds / seconds)
             progress.score_of(metrics["recent_return"][-1], np.asarray(runners.episodes))
             progress.show(update * config.batch_size)
             if update % config.checkpoint_every == 0:
                 save()
-            # The next chunk: as many updates as fit in `CHUNK_SECONDS` at this chunk's speed.
-            count = max(1, min(length, int(CHUNK_SECONDS * count / seconds)))
+                if config.capture_video:
+                    record(update)
 
     def save() -> None:
         run.write_checkpoint(checkpoint_state(config, env_id, update, update * config.batch_size,
                                               runners=storable(runners)))
+
+    def record(update: int) -> None:
+        """An episode of the first agent's policy now, in one environment, as CleanRL records its first env's."""
+        agent = jax.tree.map(lambda value: value[0], (runners.agent.params, runners.normalizer))
+        videos = record_videos(config, env_id, make_env(env_id, 1, config), training.network, agent,
+                               jax.random.fold_in(keys[0], update), run.dir / "videos", f"train-update{update}")
+        if run.tracking is not None:
+            run.tracking.log({"videos": [import_wandb().Video(str(path), format="mp4") for path in videos]})
 
     def counters() -> tuple[int, int]:
         progress.show(update * config.batch_size, final=True)
@@ -2577,30 +2242,81 @@ def mean_over_agents(values: np.ndarray) -> float:
     return float(np.nanmean(values)) if np.isfinite(values).any() else float("nan")
 
 
-def log_gymnax_updates(run: Run, metrics: dict[str, np.ndarray], first_update: int, batch_size: int,
-                       sps: float) -> None:
-    """Metrics of `[updates, agents]`: each agent's in its own writer, their mean in the run's."""
-    for index in range(len(metrics["episodes"])):
-        step = (first_update + index + 1) * batch_size
-        per_agent = jax.tree.map(lambda value: value[index], metrics)
+# The agents' series: their mean and spread in the run's writer, every agent's in one file, the first
+# few in writers of their own, so that the work between chunks does not grow with the agents.
+AGENT_WRITERS = 16
+"""Agents (the first) whose series also get a TensorBoard writer of their own, in `agent-<i>/`."""
+AGENTS_FILE = "agents.npys"
+"""Every agent's series, in the run directory: one `.npy` record a chunk, appended (`read_agent_series` reads them)."""
+
+
+def log_chunk(run: Run, metrics: dict[str, np.ndarray], first_update: int, batch_size: int, sps: float) -> None:
+    """Log a chunk's metrics, `[updates, agents]`: each tag's mean over the agents in the run's writer, with several
+    their smallest and largest (`<tag>/min`, `<tag>/max`), every agent's in `AGENTS_FILE` and the first
+    `AGENT_WRITERS`' in their own writers. An episode's tags are written where an episode ended."""
+    steps = (first_update + 1 + np.arange(len(metrics["episodes"]))) * batch_size
+    ended = metrics["episodes"] > 0
+    tags = {"charts/learning_rate": metrics["learning_rate"], "charts/clip_range": metrics["clip_range"],
+            **{f"losses/{name}": value for name, value in metrics["losses"].items()},
+            "charts/episodic_return": metrics["episodic_return"], "charts/episodic_length": metrics["episodic_length"],
+            "charts/episodic_return_last_100": metrics["recent_return"]}
+    for tag, values in tags.items():
+        episodes = tag.startswith("charts/episodic")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # no agent with a value (no episode yet): NaN
+            mean, smallest, largest = (reduce(values, axis=1) for reduce in (np.nanmean, np.nanmin, np.nanmax))
+        for index in np.flatnonzero(ended.any(axis=1)) if episodes else range(len(steps)):
+            run.writer.add_scalar(tag, mean[index], steps[index])
+            if values.shape[1] > 1:
+                run.writer.add_scalar(f"{tag}/min", smallest[index], steps[index])
+                run.writer.add_scalar(f"{tag}/max", largest[index], steps[index])
         for agent, writer in enumerate(run.writers):
-            log_update(writer, jax.tree.map(lambda value: value[agent], per_agent), step)
-            if per_agent["episodes"][agent]:
-                log_episodes(writer, per_agent["episodic_return"][agent], per_agent["episodic_length"][agent],
-                             per_agent["recent_return"][agent], step)
-        log_update(run.writer, jax.tree.map(mean_over_agents, per_agent), step)
-        if per_agent["episodes"].any():
-            log_episodes(run.writer, mean_over_agents(per_agent["episodic_return"]),
-                         mean_over_agents(per_agent["episodic_length"]), mean_over_agents(per_agent["recent_return"]),
-                         step)
-    run.writer.add_scalar("charts/SPS", sps, step)
+            for index in np.flatnonzero(ended[:, agent]) if episodes else range(len(steps)):
+                writer.add_scalar(tag, values[index, agent], steps[index])
+    run.writer.add_scalar("charts/SPS", sps, steps[-1])
+    if run.agents_file is not None:
+        write_agent_series(run.agents_file, steps, metrics, run.dir / AGENTS_FILE)
+
+
+def write_agent_series(file: typing.BinaryIO, steps: np.ndarray, metrics: dict, path: Path) -> None:
+    """Append a chunk's metrics to `file` as one `.npy` record: per update, its step and each metric of every agent."""
+    leaves = {jax.tree_util.keystr(where, simple=True, separator="/"): np.asarray(value)
+              for where, value in jax.tree_util.tree_leaves_with_path(metrics)}
+    records = np.zeros(len(steps), [("step", np.int64)] + [(name, value.dtype, value.shape[1:])
+                                                           for name, value in leaves.items()])
+    records["step"] = steps
+    for name, value in leaves.items():
+        records[name] = value
+    record = io.BytesIO()
+    np.save(record, records)
+    try:
+        file.write(record.getvalue())  # in one piece: a crash leaves whole records, and at worst a torn last one
+        file.flush()
+    except OSError as error:
+        raise naming(error, path) from error
+
+
+def read_agent_series(path: str | Path) -> dict[str, np.ndarray]:
+    """Every agent's series from a run's `AGENTS_FILE`: `{"step": [updates], "losses/policy_loss": [updates, agents],
+    "episodic_return": ..., ...}`; a step written twice (a resumed run's) is read as last written."""
+    data = Path(path).read_bytes()
+    stream, chunks = io.BytesIO(data), []
+    while stream.tell() < len(data):
+        try:
+            chunks.append(np.load(stream))
+        except (ValueError, EOFError):
+            break  # a last record torn by a crash
+    records = np.concatenate(chunks)
+    _, last = np.unique(records["step"][::-1], return_index=True)
+    records = records[len(records) - 1 - last]
+    return {name: records[name] for name in records.dtype.names}
 
 
 # ### Experiment tracking
 #
 # `--track` sends the run to Weights & Biases, as CleanRL does. wandb mirrors every TensorBoard
 # event the run writes from `wandb.init` on (`sync_tensorboard`), so the tags are the same in both;
-# `--eval --capture-video` uploads its videos. wandb is optional, imported only for `--track`, and
+# `--capture-video` uploads its videos. wandb is optional, imported only for `--track`, and
 # `WANDB_MODE=offline` keeps a run on disk for a later `wandb sync`.
 
 
@@ -2639,10 +2355,10 @@ def track_evaluation(config, returns: list[float], videos: list[Path]) -> None:
 # Evaluation plays whole episodes with the policy sampling its actions, as in training, and
 # reports the real, unclipped return of each (on Atari, the score of a whole game, all its lives).
 # It is one more compiled program: every agent plays `eval_episodes` episodes at once, until the
-# last has ended. To record them, the first agent's episodes are played again with the same key:
-# on gymnax by the same program, keeping the environments' state at every step (for as many steps
-# as the longest episode can last), and the states are drawn afterwards; on Atari a step at a
-# time, beside a twin of the games in colour.
+# last has ended. To record them (`--capture-video`, which also records an episode at each of a
+# training run's checkpoints), the first agent's episodes are played again with the same key: on
+# gymnax by the same program, keeping the environments' states, drawn afterwards; on Atari a step
+# at a time, beside a twin of the games in colour.
 
 
 def evaluation_start(env: BatchedEnv, key: jax.Array) -> tuple:
@@ -2699,7 +2415,7 @@ def make_evaluate(network: nn.Module, env: BatchedEnv, record: bool = False) -> 
 def evaluate_compiled(config: RunConfig, env_id: str, checkpoint: dict) -> np.ndarray:
     """`[agents, eval_episodes]` returns of the checkpoint's agents (on Atari, the scores of whole games)."""
     choose_device(config.device)
-    training = make_train(config, env_id, atari_dtype(config.precision))
+    training = make_train(config, env_id, convolution_layer())
     # Each agent's parameters and, for continuous actions, the statistics its observations were normalised by.
     template = jax.eval_shape(jax.vmap(training.init), agent_keys(config))
     params = restore_tree(template.agent.params, checkpoint["runners"]["agent"]["params"], config.eval)
@@ -2709,13 +2425,9 @@ def evaluate_compiled(config: RunConfig, env_id: str, checkpoint: dict) -> np.nd
     eval_keys = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), 1), config.num_seeds)
     videos = []
     if config.capture_video:
-        if isinstance(env, AtariEnv):
-            first_agent = jax.tree.map(lambda value: value[0], params)
-            videos = record_atari(config, env, network, first_agent, eval_keys[0])
-        else:
-            first_agent = jax.tree.map(lambda value: value[0], (params, normalizers))
-            played = jax.jit(make_evaluate(network, env, record=True))(*first_agent, eval_keys[0])
-            videos = record_gymnax(config, env_id, env, played)
+        videos = record_videos(config, env_id, env, network, jax.tree.map(lambda value: value[0], (params, normalizers)),
+                               eval_keys[0], Path(config.run_dir or Path(config.eval).parent) / "videos", "eval")
+        print(f"videos in {videos[0].parent}", file=sys.stderr)
     trained = jax.device_put((params, normalizers, eval_keys), split_over_seeds(seed_mesh(config.num_seeds)))
     returns = np.asarray(jax.jit(jax.vmap(make_evaluate(network, env)))(*trained))
     if config.track:
@@ -2723,19 +2435,27 @@ def evaluate_compiled(config: RunConfig, env_id: str, checkpoint: dict) -> np.nd
     return returns
 
 
-def record_gymnax(config: RunConfig, env_id: str, env: BatchedEnv, played: tuple) -> list[Path]:
-    """Draw the episodes `make_evaluate(..., record=True)` played into one mp4 each, in <run dir>/videos.
+def record_videos(config: RunConfig, env_id: str, env: BatchedEnv, network: nn.Module, agent: tuple, key: jax.Array,
+                  video_dir: Path, name: str) -> list[Path]:
+    """Play an episode in each of `env`'s environments with one agent's `(params, normalizer)`, each into an mp4 in
+    `video_dir` whose name starts with `name`; the paths."""
+    video_dir.mkdir(parents=True, exist_ok=True)
+    if isinstance(env, AtariEnv):
+        return record_atari(config, env, network, agent[0], key, video_dir, name)
+    return record_gymnax(env_id, env, jax.jit(make_evaluate(network, env, record=True))(*agent, key), video_dir, name)
+
+
+def record_gymnax(env_id: str, env: BatchedEnv, played: tuple, video_dir: Path, name: str) -> list[Path]:
+    """Draw the episodes `make_evaluate(..., record=True)` played into one mp4 each, in `video_dir`.
 
     gymnax resets an environment within the step that ends its episode, so an episode's last frame
     is the one before its end."""
     _, first_states, (states, playing) = jax.device_get(played)
-    video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
-    video_dir.mkdir(parents=True, exist_ok=True)
     # Classic control plays at gymnasium's own rate; MinAtar has none, and 15 steps a second reads well.
     fps = gym.make(env_id).metadata["render_fps"] if env_id in GYMNAX_FAMILIES and "MinAtar" not in env_id else 15
     paths = []
     for episode in range(env.num_envs):
-        video = Video(video_dir / f"eval-{env_id}-episode{episode:02d}.mp4", fps)
+        video = Video(video_dir / f"{name}-{env_id}-episode{episode:02d}.mp4", fps)
         try:
             video.write(render_gymnax(env_id, env, jax.tree.map(lambda value: value[episode], first_states)))
             for step in np.flatnonzero(playing[:, episode]):
@@ -2743,7 +2463,6 @@ def record_gymnax(config: RunConfig, env_id: str, env: BatchedEnv, played: tuple
         finally:
             video.close()
         paths.append(video.path)
-    print(f"videos in {video_dir}", file=sys.stderr)
     return paths
 
 
@@ -2771,13 +2490,15 @@ def render_gymnax(env_id: str, env: BatchedEnv, state: Any) -> np.ndarray:
     return np.repeat(np.repeat(palette[cells], 20, axis=0), 20, axis=1)
 
 
-def record_atari(config: RunConfig, env: AtariEnv, network: nn.Module, params: Any, key: jax.Array) -> list[Path]:
-    """Play the games `make_evaluate` plays with `key`, a step at a time, into one mp4 each, in <run dir>/videos.
+def record_atari(config: RunConfig, env: AtariEnv, network: nn.Module, params: Any, key: jax.Array, video_dir: Path,
+                 name: str) -> list[Path]:
+    """Play the games `make_evaluate` plays with `key`, a step at a time, into one mp4 each, in `video_dir`.
 
     The frames the agent sees are grey and small. A twin of the vector env in colour, at the
     screen's size, with the same settings and seeds, stepped with the same actions, plays the very
     same games (the emulator is deterministic), and its frames are the video's.
     """
+    import cv2
     from ale_py.vector_env import AtariVectorEnv
 
     twin = AtariVectorEnv(env.game, env.num_envs, stack_num=1, grayscale=False, img_height=210, img_width=160,
@@ -2791,10 +2512,8 @@ def record_atari(config: RunConfig, env: AtariEnv, network: nn.Module, params: A
 
     carry = start(key)
     twin.reset(seed=np.asarray(env.seeds(jax.random.split(key)[1])))
-    video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
-    video_dir.mkdir(parents=True, exist_ok=True)
     # 60 frames a second divided by the frame skip: the videos play in real time.
-    videos = [Video(video_dir / f"eval-{env.game}-game{index:02d}.mp4", 60 / config.frame_skip)
+    videos = [Video(video_dir / f"{name}-{env.game}-game{index:02d}.mp4", 60 / config.frame_skip)
               for index in range(env.num_envs)]
     try:
         while True:
@@ -2809,7 +2528,6 @@ def record_atari(config: RunConfig, env: AtariEnv, network: nn.Module, params: A
         for video in videos:
             video.close()
         twin.close()
-    print(f"videos in {video_dir}", file=sys.stderr)
     return [video.path for video in videos]
 
 
@@ -2853,6 +2571,30 @@ def describe_returns(returns: np.ndarray) -> str:
     return f"{np.mean(returns):.1f} ± {np.std(returns):.1f} (min {np.min(returns):g}, max {np.max(returns):g})"
 
 
+# ### A trained policy, in Python
+
+
+def load_policy(path: str | Path, agent: int = 0) -> tuple[Callable[[jax.Array, jax.Array], jax.Array], Callable]:
+    """`(act, make_env)` for agent `agent` of the checkpoint at `path`: `act(obs, key)` samples the trained policy's
+    actions for a batch of observations of `make_env(num_envs)`, the environment it was trained on, with the
+    checkpoint's settings (on Atari, its frames preprocessed as in training; continuous actions' observations
+    normalised as in training). The README shows a loop that plays with them."""
+    checkpoint = load_checkpoint(str(path))
+    fields = {field.name for field in dataclasses.fields(AtariConfig)}
+    config = AtariConfig(**{k: v for k, v in checkpoint["config"].items() if k in fields})
+    training = make_train(config, checkpoint["env_id"], convolution_layer())
+    template = jax.eval_shape(jax.vmap(training.init), agent_keys(config))
+    trained = jax.tree.map(lambda value: value[agent], (
+        restore_tree(template.agent.params, checkpoint["runners"]["agent"]["params"], str(path)),
+        restore_tree(template.normalizer, checkpoint["runners"].get("normalizer"), str(path))))
+
+    def act(trained: tuple, obs: jax.Array, key: jax.Array) -> jax.Array:
+        params, normalizer = trained
+        return training.network.apply(params, obs if normalizer is None else normalizer.observe(obs))[0].sample(key)
+
+    return functools.partial(jax.jit(act), trained), functools.partial(make_env, checkpoint["env_id"], config=config)
+
+
 # ### main
 
 
@@ -2890,25 +2632,22 @@ def main(argv: list[str] | None = None) -> int:
 # `PartitionSpec("seeds")`, and `jax.jit` compiles the same program for data laid out that way.
 # XLA's partitioner follows the seed axis through the vmapped run, and as no operation mixes two
 # agents, every device runs the whole program on its own agents and no array moves between devices
-# (a test checks that the compiled program holds no collective operation). `shard_map` would say
-# the same by hand, per device: it would need a spec for every input and output, and its check of
-# which values vary across devices turned off, since this code was written without it. The layout
+# (a test checks that the compiled program holds no collective operation); `shard_map` would say
+# the same by hand, with a spec for every input and output. The layout
 # of the outputs is stated too (`out_shardings`), so that a chunk's runners go into the next chunk
 # laid out as the compiled program expects. Part 1's `jax.jit(jax.vmap(train))` spreads the same
-# way when its keys are placed first, `jax.device_put(keys, split_over_seeds(mesh))`; the command
-# line initialises the agents on one device and places their runners instead, since the agents'
-# initialisation, a loop over them (see Hardware choices), would first gather the keys onto every
-# device.
+# way when its keys are placed first; the command line initialises the agents on one device and
+# places their runners instead, since their initialisation, a loop over them (Part 3), would first
+# gather the keys onto every device.
 #
 # Every device runs the same program, on as many agents as each other one, so the agents must split
 # evenly. Rather than refuse a run, we use the most devices they split over: 6 agents on 4 devices
 # train on 3 of them, 2 each; 5 agents train on one. The run prints what it uses. On one device
-# nothing changes. On several, the results agree with one device's to rounding, not bit for bit: a
-# device runs the program on fewer agents at once, and XLA may compile a batch of another size into
-# another order of the same sums. Over a long run the difference grows (a sampled action flips, and
-# the episodes part ways): the runs are equally good samples of training, not the same sample. The
-# checkpoint does not depend on the devices (`jax.device_get` gathers a sharded array into one), so
-# a run started on two devices can be resumed or evaluated on one.
+# nothing changes. On several, the results agree with one device's to rounding, not bit for bit (XLA
+# may order the sums of a smaller batch otherwise); over a long run a sampled action flips and the
+# episodes part ways: equally good samples of training, not the same sample. The checkpoint does not
+# depend on the devices (`jax.device_get` gathers a sharded array), so a run started on two devices
+# can be resumed or evaluated on one.
 #
 # An Atari run is not spread. It trains one agent, so the devices would have to split its batch and
 # add up their gradients at every minibatch; and its games run in the CPU's threads whatever the

@@ -1,23 +1,26 @@
 """Speed of ppo_jax.py, measured three ways; each measurement runs in a fresh process.
 
-(a) The compiled run: CartPole-v1, 500,000 steps per agent, 4 envs x 128 steps, as
-    `jax.jit(jax.vmap(train))` of `make_train`: seconds to trace, to compile and to run, for 1 agent
-    and for 16 agents side by side.
-(b) The whole process: `python ppo_jax.py` with the same settings (its defaults), from start to
-    exit: Python's start, imports, compilation, training, TensorBoard events and checkpoints.
+(a) The compiled run: CartPole-v1, 4 envs x 128 steps, `--total-timesteps` per agent (500,000 by
+    default), as `jax.jit(jax.vmap(train))` of `make_train`: seconds to trace, to compile and to
+    run, for each number of agents in `--seeds`.
+(b) The whole process: `python ppo_jax.py --num-seeds N --total-timesteps T` with the same
+    settings, from start to exit: Python's start, imports, compilation, training, TensorBoard
+    events, the agents' file and checkpoints. Printed beside (a), with the ratio of the two: what
+    the command line costs on top of the compiled program (`--part overhead` measures the two one
+    after the other, `--repeats` times).
 (c) Atari: agent steps per second of ppo_jax.py's compiled iteration (ale-py's vector env stepped
     inside the program) beside ppo_atari.py's trainer (worker processes), with the same settings
-    (Breakout, 8 games x 128 steps, the default update); each script twice, in its default
-    precision (bfloat16 on a CPU that multiplies in it, float32 elsewhere) and in float32.
-    ppo_jax.py's iteration is one program, so its rollout (games and inference) and its update are
-    also timed as programs of their own. And the games alone, random actions, no network:
-    ppo_jax.py's `AtariEnv` in a compiled scan against ppo_atari.py's `Workers`.
+    (Breakout, 8 games x 128 steps, the default update); ppo_atari.py twice, in its default
+    precision (bfloat16 on a CPU that multiplies in it, float32 elsewhere) and in float32, ppo_jax.py
+    in float32, its only precision. ppo_jax.py's iteration is one program, so its rollout (games and
+    inference) and its update are also timed as programs of their own. And the games alone, random
+    actions, no network: ppo_jax.py's `AtariEnv` in a compiled scan against ppo_atari.py's `Workers`.
 
 The kinds of measurement alternate, `--repeats` times, and medians are reported, so that a noisy
 neighbour on a shared machine hits all alike; the load average is printed with each result.
 
     python benchmarks/ppo_jax_speed.py                 # all three
-    python benchmarks/ppo_jax_speed.py --part compiled --seeds 1 16 1024
+    python benchmarks/ppo_jax_speed.py --part overhead --seeds 256 --total-timesteps 32768
     python benchmarks/ppo_jax_speed.py --part atari --repeats 2
 
 Timings are never asserted in tests; this script is where they are measured. JAX's persistent
@@ -44,14 +47,15 @@ def environment() -> dict:
     return {**env, "PYTHONPATH": str(ROOT)}
 
 
-def measure_compiled(seeds: int) -> dict:
+def measure_compiled(seeds: int, total_timesteps: int) -> dict:
     """Trace, compile and run CartPole's whole training for `seeds` agents (in this process)."""
     import jax
     import numpy as np
 
     import ppo_jax
 
-    config = ppo_jax.Config(env="CartPole-v1", total_timesteps=500_000, num_envs=4, num_steps=128, num_seeds=seeds)
+    config = ppo_jax.Config(env="CartPole-v1", total_timesteps=total_timesteps, num_envs=4, num_steps=128,
+                            num_seeds=seeds)
     keys = ppo_jax.agent_keys(config)
     started = time.perf_counter()
     lowered = jax.jit(jax.vmap(ppo_jax.make_train(config).train)).lower(keys)
@@ -63,16 +67,18 @@ def measure_compiled(seeds: int) -> dict:
     finished = time.perf_counter()
     final = np.nanmean(returns[:, -10:], axis=1)
     return {"seeds": seeds, "trace_s": traced - started, "compile_s": compiled_at - traced,
-            "run_s": finished - compiled_at, "sps": 500_000 * seeds / (finished - compiled_at),
+            "run_s": finished - compiled_at, "program_s": finished - started,
+            "sps": config.num_updates * config.batch_size * seeds / (finished - compiled_at),
             "final_return_min": float(final.min()), "final_return_mean": float(final.mean())}
 
 
-def measure_process(seeds: int) -> dict:
-    """`python ppo_jax.py` with its defaults (and `seeds` agents), start to exit."""
+def measure_process(seeds: int, total_timesteps: int) -> dict:
+    """`python ppo_jax.py` with its defaults (and `seeds` agents, `total_timesteps` each), start to exit."""
     with tempfile.TemporaryDirectory() as run_dir:
         started = time.perf_counter()
         result = subprocess.run([sys.executable, str(ROOT / "ppo_jax.py"), "--num-seeds", str(seeds),
-                                 "--run-dir", run_dir], capture_output=True, text=True, env=environment())
+                                 "--total-timesteps", str(total_timesteps), "--run-dir", run_dir],
+                                capture_output=True, text=True, env=environment())
         seconds = time.perf_counter() - started
     if result.returncode != 0:
         raise RuntimeError(result.stderr)
@@ -88,15 +94,12 @@ def measure_atari(script: str, iterations: int, warmup: int) -> dict:
     script, _, precision = script.partition(":")
     if script == "ppo_jax":
         import jax
-        import jax.numpy as jnp
 
         import ppo_jax
 
         ppo_jax.choose_device("auto")
-        config = ppo_jax.RunConfig(env=ppo_jax.resolve_env("Breakout")[0], precision=precision or "auto",
-                                   **ppo_jax.PRESETS["Atari"])
-        dtype = ppo_jax.atari_dtype(config.precision)
-        training = ppo_jax.make_train(config, torso_dtype=dtype)
+        config = ppo_jax.RunConfig(env=ppo_jax.resolve_env("Breakout")[0], **ppo_jax.PRESETS["Atari"])
+        training = ppo_jax.make_train(config, conv=ppo_jax.convolution_layer())
         runner = jax.jit(training.init)(jax.random.key(1))
         programs = {"iteration": jax.jit(training.update), "rollout": jax.jit(training.collect)}
         update_agent = jax.jit(ppo_jax.make_update_agent(training.network, ppo_jax.make_optimizer(config), config))
@@ -113,7 +116,7 @@ def measure_atari(script: str, iterations: int, warmup: int) -> dict:
                 if name == "iteration":
                     runner = result[0]
             seconds[name] = statistics.median(timed)
-        return {"script": script, "precision": "bf16" if dtype == jnp.bfloat16 else "fp32",
+        return {"script": script, "precision": "fp32",
                 "sps": config.batch_size / seconds["iteration"],
                 "seconds_per_iteration": seconds["iteration"], "rollout_s": seconds["rollout"],
                 "update_s": seconds["update"]}
@@ -208,8 +211,10 @@ def median_of(runs: list[dict], key: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["compiled", "process", "atari", "all"], default="all")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 16], help="agents per compiled run")
+    parser.add_argument("--part", choices=["compiled", "process", "overhead", "atari", "all"], default="all",
+                        help="overhead: (a) and (b), one after the other")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 16], help="agents per CartPole run")
+    parser.add_argument("--total-timesteps", type=int, default=500_000, help="steps per agent of a CartPole run")
     parser.add_argument("--repeats", type=int, default=3, help="measurements of each kind, alternated")
     parser.add_argument("--iterations", type=int, default=6, help="timed Atari iterations per measurement")
     parser.add_argument("--warmup", type=int, default=2, help="untimed Atari iterations first")
@@ -218,11 +223,11 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.measure:
-        kind, value = args.measure
+        kind, value, *steps = args.measure
         if kind == "compiled":
-            result = measure_compiled(int(value))
+            result = measure_compiled(int(value), int(steps[0]))
         elif kind == "process":
-            result = measure_process(int(value))
+            result = measure_process(int(value), int(steps[0]))
         elif kind == "games":
             result = measure_games(value)
         else:
@@ -233,12 +238,14 @@ def main() -> None:
     print(f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} at the start; medians of {args.repeats}")
     results: dict[str, list[dict]] = {}
     kinds = []
-    if args.part in ("compiled", "all"):
-        kinds += [("compiled", str(seeds)) for seeds in args.seeds]
-    if args.part in ("process", "all"):
-        kinds += [("process", str(seeds)) for seeds in args.seeds]
+    steps = str(args.total_timesteps)
+    for seeds in args.seeds:
+        if args.part in ("compiled", "overhead", "all"):
+            kinds.append(("compiled", str(seeds), steps))
+        if args.part in ("process", "overhead", "all"):
+            kinds.append(("process", str(seeds), steps))
     if args.part in ("atari", "all"):
-        kinds += [("atari", "ppo_jax"), ("atari", "ppo_jax:fp32"), ("atari", "ppo_atari"), ("atari", "ppo_atari:fp32"),
+        kinds += [("atari", "ppo_jax"), ("atari", "ppo_atari"), ("atari", "ppo_atari:fp32"),
                   ("games", "ppo_jax"), ("games", "ppo_atari")]
     for _ in range(args.repeats):
         for kind in kinds:
@@ -247,15 +254,22 @@ def main() -> None:
                                                           if kind[0] == "atari" else in_fresh_process(*kind))
     for name, runs in results.items():
         loads = ", ".join(f"{a:.1f}-{b:.1f}" for a, b in (run["load"] for run in runs))
-        kind, value = name.split()
+        kind, value, *_ = name.split()
         if kind == "compiled":
-            print(f"(a) CartPole-v1, 500k steps x {value} agent(s): trace {median_of(runs, 'trace_s'):.1f} s, "
-                  f"compile {median_of(runs, 'compile_s'):.1f} s, run {median_of(runs, 'run_s'):.1f} s "
-                  f"({median_of(runs, 'sps'):,.0f} SPS); worst agent's final return "
+            print(f"(a) CartPole-v1, {args.total_timesteps:,} steps x {value} agent(s): trace "
+                  f"{median_of(runs, 'trace_s'):.1f} s, compile {median_of(runs, 'compile_s'):.1f} s, run "
+                  f"{median_of(runs, 'run_s'):.1f} s ({median_of(runs, 'sps'):,.0f} SPS); worst agent's final return "
                   f"{min(run['final_return_min'] for run in runs):.0f}   [load {loads}]")
         elif kind == "process":
-            print(f"(b) python ppo_jax.py --num-seeds {value}: {median_of(runs, 'process_s'):.1f} s start to exit "
-                  f"(of which tracing and compiling {median_of(runs, 'compile_line_s'):.1f} s)   [load {loads}]")
+            print(f"(b) python ppo_jax.py --num-seeds {value} --total-timesteps {args.total_timesteps}: "
+                  f"{median_of(runs, 'process_s'):.1f} s start to exit (of which tracing and compiling "
+                  f"{median_of(runs, 'compile_line_s'):.1f} s)   [load {loads}]")
+            program = results.get(f"compiled {value} {args.total_timesteps}")
+            if program:
+                ratios = [run["process_s"] / compiled["program_s"] for run, compiled in zip(runs, program)]
+                print(f"    the process over the compiled program (trace, compile, run: "
+                      f"{median_of(program, 'program_s'):.1f} s): {statistics.median(ratios):.2f}x "
+                      f"(each pair: {', '.join(f'{ratio:.2f}' for ratio in ratios)})")
         elif kind == "games":
             what = "AtariEnv, a compiled scan" if value == "ppo_jax" else "Workers, one process per core"
             print(f"(c) {value}'s games alone ({what}), Breakout, 8 games, random actions: "
@@ -266,7 +280,7 @@ def main() -> None:
                 env = f" (of which the games {median_of(runs, 'env_s'):.2f})"
                 value = f"ppo_atari, its torso in {runs[0]['precision']}"
             else:
-                value = f"ppo_jax, its torso in {runs[0]['precision']}"
+                value = "ppo_jax, in float32"
             print(f"(c) {value} on Breakout, 8 games x 128 steps: {median_of(runs, 'sps'):,.0f} SPS | per iteration "
                   f"{median_of(runs, 'seconds_per_iteration'):.2f} s; rollout {median_of(runs, 'rollout_s'):.2f} s"
                   f"{env}, update {median_of(runs, 'update_s'):.2f} s   [load {loads}]")

@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import ppo_jax
 from conftest import ROOT
-from ppo_jax_runs import SCRIPT, Watched, environment, read_checkpoint, run, scalars  # noqa: F401 (fixtures)
+from ppo_jax_runs import SCRIPT, Watched, environment, patched, read_checkpoint, run, scalars  # noqa: F401 (fixtures)
 from videos import assert_plays
 
 TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/episodic_return_last_100", "charts/learning_rate", "charts/clip_range",
@@ -57,6 +57,87 @@ def test_training_leaves_events_per_agent_and_their_mean(trained):
     assert "compiled in" in result.stderr
 
 
+def test_the_run_logs_the_agents_spread_and_every_agent_in_one_file(trained):
+    run_dir, _ = trained
+    mean, agents = scalars(run_dir), [scalars(run_dir / f"agent-{i}") for i in range(2)]
+    # Beside each tag's mean, the smallest and largest agent's value.
+    for tag in ["losses/value_loss", "losses/entropy"]:
+        values = np.array([[value for _, value in agent[tag]] for agent in agents])
+        np.testing.assert_allclose([value for _, value in mean[f"{tag}/min"]], values.min(axis=0), rtol=1e-6)
+        np.testing.assert_allclose([value for _, value in mean[f"{tag}/max"]], values.max(axis=0), rtol=1e-6)
+    # An episode's tags, over the agents that ended one in that update.
+    returns = [dict(agent["charts/episodic_return"]) for agent in agents]
+    for step, value in mean["charts/episodic_return/max"]:
+        assert value == max(agent[step] for agent in returns if step in agent)
+    # Every agent's series, in one file, as the agents' own writers have them.
+    series = ppo_jax.read_agent_series(run_dir / ppo_jax.AGENTS_FILE)
+    assert series["step"].tolist() == [256 * (u + 1) for u in range(16)]
+    assert series["losses/policy_loss"].shape == (16, 2) and series["episodes"].shape == (16, 2)
+    for agent in range(2):
+        np.testing.assert_allclose(series["losses/policy_loss"][:, agent],
+                                   [value for _, value in agents[agent]["losses/policy_loss"]], rtol=1e-6)
+        ended = series["episodes"][:, agent] > 0
+        np.testing.assert_allclose(series["episodic_return"][ended, agent],
+                                   [value for _, value in agents[agent]["charts/episodic_return"]], rtol=1e-6)
+
+
+def test_only_the_first_agents_get_writers_of_their_own(environment, tmp_path):
+    # Three agents, writers for the first only: the work between chunks does not grow with the agents.
+    result = subprocess.run(patched("ppo_jax.AGENT_WRITERS = 1") + [*map(str, SMALL), "--num-seeds", "3",
+                                                                   "--run-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=environment)
+    assert result.returncode == 0, result.stderr
+    assert sorted(path.name for path in tmp_path.glob("agent-*")) == ["agent-0"]
+    series = ppo_jax.read_agent_series(tmp_path / ppo_jax.AGENTS_FILE)
+    assert series["losses/value_loss"].shape == (16, 3)
+    np.testing.assert_allclose([value for _, value in scalars(tmp_path)["losses/value_loss"]],
+                               series["losses/value_loss"].mean(axis=1), rtol=1e-5)
+
+
+def test_the_next_chunk_is_computing_while_the_last_is_logged(monkeypatch, tmp_path):
+    # Each chunk is dispatched before the one before it is logged: the device works while the host writes.
+    events = []
+    compile_train_chunk = ppo_jax.compile_train_chunk
+
+    def recording(*args, **kwargs):
+        train_chunk = compile_train_chunk(*args, **kwargs)
+
+        def dispatched(runners, count):
+            events.append(("dispatch", int(count)))
+            return train_chunk(runners, count)
+
+        return dispatched
+
+    log_chunk = ppo_jax.log_chunk
+    monkeypatch.setattr(ppo_jax, "compile_train_chunk", recording)
+    monkeypatch.setattr(ppo_jax, "log_chunk", lambda run, metrics, *args: (
+        events.append(("log", len(metrics["episodes"]))), log_chunk(run, metrics, *args)))
+    monkeypatch.setattr(ppo_jax, "CHUNK_SECONDS", 0.0)  # chunks of one update each
+    assert ppo_jax.main([*map(str, SMALL), "--run-dir", str(tmp_path), "--total-timesteps", "1024"]) == 0
+    assert events == [("dispatch", 1), ("dispatch", 1), ("log", 1), ("dispatch", 1), ("log", 1),
+                      ("dispatch", 1), ("log", 1), ("log", 1)]
+    assert ppo_jax.read_agent_series(tmp_path / ppo_jax.AGENTS_FILE)["step"].tolist() == [256, 512, 768, 1024]
+
+
+def test_a_checkpoint_of_the_former_convolutions_and_the_former_precision_flag_are_refused(trained, tmp_path, capsys):
+    run_dir, _ = trained
+    checkpoint = read_checkpoint(run_dir / "checkpoint.msgpack")
+    # The MinAtar CNN's parameters as the version before nn.Conv named and shaped them.
+    checkpoint["runners"]["agent"]["params"]["params"] = {
+        "Convolution_0": {"Dense_0": {"kernel": np.zeros((2, 36, 16), np.float32), "bias": np.zeros((2, 16), np.float32)}},
+        "Dense_0": {"kernel": np.zeros((2, 1024, 128), np.float32), "bias": np.zeros((2, 128), np.float32)}}
+    checkpoint["env_id"] = checkpoint["config"]["env"] = "Breakout-MinAtar"
+    old = tmp_path / "old.msgpack"
+    old.write_bytes(flax.serialization.msgpack_serialize(checkpoint))
+    for flags in [["--eval", str(old)], ["--resume", str(old), "--run-dir", str(tmp_path / "resumed")]]:
+        assert ppo_jax.main(flags) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and f"checkpoint {old} was written before ppo_jax.py's convolutions" in error
+    assert ppo_jax.main(["--precision", "bf16"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--precision is gone: the networks compute in float32" in error
+
+
 def test_checkpoint_holds_every_agent_and_its_environments(trained):
     run_dir, _ = trained
     checkpoint = read_checkpoint(run_dir / "checkpoint.msgpack")
@@ -86,6 +167,9 @@ def test_resume_continues_on_schedule(trained, run, tmp_path):
     assert f"resumed at step 4,096 (update 16) from {run_dir / 'checkpoint.msgpack'}" in result.stderr
     rates = dict(scalars(tmp_path / "agent-0")["charts/learning_rate"])
     assert sorted(rates) == [256 * (u + 1) for u in range(16, 24)]  # updates 17 to 24 of 24
+    series = ppo_jax.read_agent_series(tmp_path / ppo_jax.AGENTS_FILE)
+    assert series["step"].tolist() == sorted(rates)
+    np.testing.assert_allclose(series["learning_rate"][:, 1], [rates[step] for step in sorted(rates)], rtol=1e-6)
     assert rates[256 * 17] == pytest.approx(2.5e-4 * (1 - 16 / 24))
     assert rates[256 * 24] == pytest.approx(2.5e-4 * (1 - 23 / 24))
     assert dict(scalars(tmp_path)["charts/clip_range"])[256 * 24] == pytest.approx(0.2 * (1 - 23 / 24))
@@ -171,6 +255,18 @@ def test_eval_records_the_first_agents_episodes(trained, run, tmp_path):
     assert sum(frames) == round(2 * mean_return) and all(frame_count > 1 for frame_count in frames)
 
 
+def test_training_records_an_episode_of_the_first_agent_at_each_checkpoint(run, tmp_path):
+    # 16 updates, a checkpoint every 8: two videos, each a whole CartPole episode of agent 0's policy
+    # as it was then (a frame per step, the first state included, the last step's reset not).
+    result = run(*SMALL, "--capture-video", "--run-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    videos = sorted((tmp_path / "videos").glob("*.mp4"))
+    assert [video.name for video in videos] == ["train-update16-CartPole-v1-episode00.mp4",
+                                                "train-update8-CartPole-v1-episode00.mp4"]
+    assert all(assert_plays(video, 600, 400) > 1 for video in videos)
+    assert "step 4,096/4,096 x 2 agents" in result.stderr
+
+
 def test_a_truncated_episode_bootstraps_from_its_final_observation():
     # Pendulum never terminates; every episode is cut at 200 steps. In a rollout of 201 steps, step
     # 199 ends each episode: its next value must be V of the 200th state, not of the reset that
@@ -210,7 +306,7 @@ def test_minatar_trains_and_evaluates(run, tmp_path):
     # The MinAtar preset, but for the flags given; the small CNN's parameters.
     assert checkpoint["config"]["learning_rate"] == 5e-3 and checkpoint["config"]["num_envs"] == 8
     assert checkpoint["runners"]["obs"].shape == (1, 8, 10, 10, 4)
-    assert checkpoint["runners"]["agent"]["params"]["params"]["Convolution_0"]["Dense_0"]["kernel"].shape == (1, 36, 16)
+    assert checkpoint["runners"]["agent"]["params"]["params"]["Conv_0"]["kernel"].shape == (1, 3, 3, 4, 16)
     assert set(TAGS[2:]) <= set(scalars(tmp_path))
     result = run("--eval", tmp_path / "checkpoint.msgpack", "--eval-episodes", 2)
     assert result.returncode == 0, result.stderr
@@ -263,7 +359,6 @@ def test_bad_input_through_the_command_line(run, args, message):
     (["--total-timesteps", "100"], "less than one batch"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
-    (["--capture-video"], "--capture-video records evaluation episodes; use it with --eval"),
     (["--env", "Breakout", "--num-seeds", "4"], "--num-seeds is for gymnax environments: an Atari run's games"),
     (["--eval", "missing.msgpack"], "checkpoint missing.msgpack does not exist"),
     (["--eval", "a.msgpack", "--resume", "b.msgpack"], "cannot be used together"),
@@ -399,3 +494,49 @@ def test_the_last_100_episodes_are_logged_and_resume_with_the_run(trained, run, 
     assert result.returncode == 0, result.stderr
     resumed = read_checkpoint(tmp_path / "resumed" / "checkpoint.msgpack")["runners"]
     assert 0 < resumed["episodes"].min() < 100  # the episodes of four updates, counted from 0
+
+
+def test_gymnax_needs_neither_ale_py_nor_opencv(environment, tmp_path):
+    # With ale-py and OpenCV absent (their import raises), CartPole trains and a name that is no
+    # gymnax environment says that Atari needs ale-py.
+    def without_atari(*args):
+        code = ("import runpy, sys\nsys.modules['ale_py'] = sys.modules['cv2'] = None\n"
+                f"sys.argv = [{SCRIPT!r}, *{list(map(str, args))!r}]\nrunpy.run_path({SCRIPT!r}, run_name='__main__')")
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                              env=environment)
+
+    result = without_atari("--num-steps", 32, "--num-minibatches", 2, "--total-timesteps", 256, "--run-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "done: 256 steps" in result.stderr and (tmp_path / "checkpoint.msgpack").is_file()
+    result = without_atari("--env", "Breakout")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "unknown environment 'Breakout'" in result.stderr and "Atari games need ale-py" in result.stderr
+
+
+README_POLICY = '''
+import jax
+import ppo_jax
+
+act, make_env = ppo_jax.load_policy("CHECKPOINT", agent=1)
+env = make_env(num_envs=1)
+obs, state = env.reset(jax.random.key(0))
+for step in range(200):
+    act_key, env_key = jax.random.split(jax.random.key(step))
+    obs, state, rewards, terminated, truncated, info = env.step(env_key, state, act(obs, act_key))
+'''
+
+
+def test_a_trained_policy_loads_and_acts_as_the_readme_shows(trained):
+    run_dir, _ = trained
+    path = run_dir / "checkpoint.msgpack"
+    namespace = {}
+    exec(README_POLICY.replace("CHECKPOINT", str(path)), namespace)
+    assert namespace["obs"].shape == (1, 4) and namespace["step"] == 199
+    # Its actions are samples of agent 1's trained network, which agent 0's would not all match.
+    act, make_env = ppo_jax.load_policy(path, agent=1)
+    obs, _ = make_env(1024).reset(jax.random.key(1))
+    key, params = jax.random.key(2), read_checkpoint(path)["runners"]["agent"]["params"]
+    expected = [jax.random.categorical(key, ppo_jax.MLPActorCritic(2).apply(
+        jax.tree.map(lambda value: value[agent], params), obs)[0].logits) for agent in (0, 1)]
+    np.testing.assert_array_equal(act(obs, key), expected[1])
+    assert not np.array_equal(expected[0], expected[1])

@@ -240,9 +240,8 @@ class Flattened(typing.NamedTuple):
 
 
 def test_the_update_takes_the_same_minibatches_from_images_as_from_vectors():
-    # Images go through the update another way (batch last, each minibatch cut at a fixed index, for
-    # XLA's CPU backend): the same rollout, its images given flattened to a network that reshapes them,
-    # must give the same update. 2 epochs of 4 minibatches from 16 MinAtar-sized grids.
+    # The update has one path for every observation: the same rollout, its images given flattened to a
+    # network that reshapes them, must give the same update. 2 epochs of 4 minibatches from 16 MinAtar-sized grids.
     config = ppo_jax.Config(num_envs=2, num_steps=8, num_minibatches=4, update_epochs=2, total_timesteps=160,
                             learning_rate=1e-2)
     network = ppo_jax.MinAtarActorCritic(3)
@@ -286,168 +285,47 @@ def test_steps_that_are_no_transition_weigh_nothing():
         float(ppo_jax.explained_variance(arrays[1][valid], arrays[2][valid])), rel=1e-5)
 
 
-@pytest.mark.parametrize("kernel, stride, size", [(3, 1, 10), (8, 4, 84), (4, 2, 20), (3, 1, 9), (7, 1, 7)])
-def test_convolution_as_patches_is_a_convolution(kernel, stride, size):
-    rng = np.random.default_rng(kernel)
-    x = jnp.asarray(rng.normal(size=(2, size, size, 5)), jnp.float32)
-    weights = jnp.asarray(rng.normal(size=(kernel, kernel, 5, 7)), jnp.float32)  # height, width, in, out
-    expected = jax.lax.conv_general_dilated(x, weights, (stride, stride), "VALID",
-                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    # The same weights in the order `patches` lays a window out: blocks of stride x stride pixels
-    # (row, column), and within a block row, column, channel.
-    blocks = kernel // stride
-    matrix = weights.reshape(blocks, stride, blocks, stride, 5, 7).transpose(0, 2, 1, 3, 4, 5).reshape(-1, 7)
-    first_last = x.transpose(3, 1, 2, 0)  # channels first, the batch last
-    windows = ppo_jax.patches(first_last, kernel, stride)  # each window a column
-    computed = jnp.einsum("k...,kf->...f", windows, matrix)  # [H', W', batch, out]
-    np.testing.assert_allclose(jnp.moveaxis(computed, 2, 0), expected, rtol=1e-4, atol=1e-4)
-    # The layer itself, with these weights: the same function, channels first, any batch shape last.
-    layer = ppo_jax.Convolution(7, kernel, stride)
-    params = {"params": {"Dense_0": {"kernel": matrix, "bias": jnp.arange(7.0)}}}
-    output = layer.apply(params, first_last[..., None, :])
-    assert output.shape == (7,) + expected.shape[1:3] + (1, 2)
-    np.testing.assert_allclose(output[..., 0, :].transpose(3, 1, 2, 0), expected + jnp.arange(7.0), rtol=1e-4, atol=1e-4)
+@pytest.mark.parametrize("kernel, stride, size", [(3, 1, 10), (8, 4, 84), (4, 2, 20), (3, 1, 9), (7, 1, 7),
+                                                (4, 2, 9), (3, 2, 8)])
+def test_patch_conv_is_nn_conv(kernel, stride, size):
+    # Part 3's convolution for the CPU: nn.Conv's parameters (names, shapes, initial values), its
+    # outputs and its gradients, on inputs with two batch axes (agents and environments).
+    rng = np.random.default_rng(kernel + size)
+    x = jnp.asarray(rng.normal(size=(2, 3, size, size, 5)), jnp.float32)
+    fields = dict(features=7, kernel_size=(kernel, kernel), strides=(stride, stride), padding="VALID",
+                  kernel_init=nn.initializers.orthogonal(math.sqrt(2)))
+    theirs, ours = nn.Conv(**fields), ppo_jax.PatchConv(**fields)
+    params = theirs.init(jax.random.key(0), x)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ours.init(jax.random.key(0), x)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    params = jax.tree.map(lambda w: w + jnp.asarray(rng.normal(size=w.shape), jnp.float32) * 0.1, params)
+    weights = jnp.asarray(rng.normal(size=theirs.apply(params, x).shape), jnp.float32)
+
+    def loss(layer, params, x):
+        return jnp.sum(layer.apply(params, x) * weights)
+
+    np.testing.assert_allclose(ours.apply(params, x), theirs.apply(params, x), rtol=1e-4, atol=1e-4)
+    for a, b in zip(jax.tree.leaves(jax.grad(functools.partial(loss, ours), argnums=(0, 1))(params, x)),
+                    jax.tree.leaves(jax.grad(functools.partial(loss, theirs), argnums=(0, 1))(params, x)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3)
 
 
-def test_columns_product_has_the_gradients_of_a_product():
-    # `columns_product` writes its own gradients (for speed); they must be those of `kernel.T @ x`,
-    # alone and under vmap (several agents' networks at once).
-    rng = np.random.default_rng(0)
-    kernel, columns, weights = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in [(6, 3), (6, 5), (3, 5)])
-
-    def loss(product, kernel, columns):
-        return jnp.sum(weights * jnp.tanh(product(kernel, columns)))
-
-    ours = jax.grad(functools.partial(loss, ppo_jax.columns_product), argnums=(0, 1))(kernel, columns)
-    theirs = jax.grad(functools.partial(loss, lambda k, x: k.T @ x), argnums=(0, 1))(kernel, columns)
-    for mine, reference in zip(ours, theirs):
-        np.testing.assert_allclose(mine, reference, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(ppo_jax.columns_product(kernel, columns), kernel.T @ columns, rtol=1e-6)
-    batched = jax.vmap(jax.grad(functools.partial(loss, ppo_jax.columns_product)))(jnp.stack([kernel, 2 * kernel]),
-                                                                                 jnp.stack([columns, columns]))
-    np.testing.assert_allclose(batched[0], ours[0], rtol=1e-5, atol=1e-6)
-
-
-def bfloat16_rounded(x):
-    return jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
-
-
-@pytest.mark.parametrize("kernel, stride, size, integers", [(3, 1, 9, False), (4, 2, 20, False), (8, 4, 84, True),
-                                                            (7, 1, 7, False)])
-def test_bfloat16_windows_product_is_the_float32_one_on_rounded_operands(kernel, stride, size, integers):
-    # The products take their operands rounded to bfloat16 (the output's gradient too) and sum in
-    # float32: on operands already rounded, and an output gradient that bfloat16 holds exactly,
-    # they must be float32's, and so must both gradients, alone and under vmap.
-    rng = np.random.default_rng(size)
-    if integers:  # frames: uint8, no gradient of their own
-        x = jnp.asarray(rng.integers(0, 256, (3, size, size, 2)), jnp.uint8)
-    else:
-        x = bfloat16_rounded(rng.normal(size=(3, size, size, 2)))
-    weights = jnp.asarray(rng.normal(size=(kernel * kernel * 3, 5)), jnp.float32)
-    out_grad = bfloat16_rounded(rng.normal(size=ppo_jax.windows_product(weights, x, kernel, stride).shape))
-
-    def loss(product, weights, x):
-        return jnp.sum(out_grad * product(weights, x, kernel, stride))
-
-    argnums = (0,) if integers else (0, 1)
-    ours = jax.value_and_grad(functools.partial(loss, ppo_jax.bfloat16_windows_product), argnums)(weights, x)
-    reference = jax.value_and_grad(functools.partial(loss, ppo_jax.windows_product), argnums)(bfloat16_rounded(weights), x)
-    np.testing.assert_allclose(ours[0], reference[0], rtol=1e-5)
-    for mine, theirs in zip(ours[1], reference[1]):
-        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-5 * float(jnp.abs(theirs).max()))
-    # Unrounded weights: the output within bfloat16's rounding of float32's.
-    exact = ppo_jax.windows_product(weights, x, kernel, stride)
-    np.testing.assert_allclose(ppo_jax.bfloat16_windows_product(weights, x, kernel, stride), exact,
-                               atol=0.02 * float(jnp.abs(exact).max()))
-    batched = jax.vmap(jax.grad(functools.partial(loss, ppo_jax.bfloat16_windows_product)))(
-        jnp.stack([weights, 2 * weights]), jnp.stack([x, x]))
-    np.testing.assert_allclose(batched[0], ours[1][0], rtol=1e-5, atol=1e-5 * float(jnp.abs(ours[1][0]).max()))
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_rows_product_has_the_gradients_of_a_product(dtype):
-    # `rows_product` writes its own gradients (for speed). On operands that bfloat16 holds exactly,
-    # with an output gradient that it holds too, both precisions must give float32's `x @ kernel`
-    # and autodiff's gradients of it, alone and under vmap.
-    rng = np.random.default_rng(3)
-    x, kernel, out_grad = (bfloat16_rounded(rng.normal(size=shape)) for shape in [(5, 6), (6, 3), (5, 3)])
-
-    def loss(product, x, kernel):
-        return jnp.sum(out_grad * product(x, kernel))
-
-    def ours(x, kernel):
-        return ppo_jax.rows_product(x, kernel, dtype)
-
-    mine = jax.value_and_grad(functools.partial(loss, ours), (0, 1))(x, kernel)
-    reference = jax.value_and_grad(functools.partial(loss, jnp.matmul), (0, 1))(x, kernel)
-    np.testing.assert_allclose(mine[0], reference[0], rtol=1e-5)
-    for computed, expected in zip(mine[1], reference[1]):
-        np.testing.assert_allclose(computed, expected, rtol=1e-5, atol=1e-6)
-    batched = jax.vmap(jax.grad(functools.partial(loss, ours), (0, 1)))(jnp.stack([x, 2 * x]), jnp.stack([kernel, kernel]))
-    for computed, expected in zip(batched, mine[1]):
-        np.testing.assert_allclose(computed[0], expected, rtol=1e-5, atol=1e-6)
-    # Unrounded operands: float32 exactly as `x @ kernel`, bfloat16 within its rounding.
-    x, kernel = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in [(5, 6), (6, 3)])
-    tolerance = 1e-5 if dtype == jnp.float32 else 0.02
-    np.testing.assert_allclose(ours(x, kernel), x @ kernel, atol=tolerance * float(jnp.abs(x @ kernel).max()))
-
-
-def test_nature_cnn_in_bfloat16_is_the_float32_one_within_rounding():
-    # Same parameters, same names: a checkpoint trained in one precision loads in the other, and
-    # the two networks compute the same function up to bfloat16's rounding.
-    frames = jnp.asarray(np.random.default_rng(2).integers(0, 256, (6, 4, 84, 84)), jnp.uint8)
-    params = ppo_jax.NatureActorCritic(4).init(jax.random.key(0), frames)
-    assert jax.tree.structure(params) == jax.tree.structure(
-        ppo_jax.NatureActorCritic(4, jnp.bfloat16).init(jax.random.key(0), frames))
-    params = jax.tree.map(lambda w: w + 0.01 * jnp.sign(w), params)  # non-zero biases, a less uniform policy
-    (policy32, values32), (policy16, values16) = (ppo_jax.NatureActorCritic(4, dtype).apply(params, frames)
-                                                  for dtype in (jnp.float32, jnp.bfloat16))
-    np.testing.assert_allclose(policy16.logits, policy32.logits, atol=0.02 * float(jnp.abs(policy32.logits).max()))
-    np.testing.assert_allclose(values16, values32, atol=0.02 * float(jnp.abs(values32).max()))
-
-
-@pytest.mark.parametrize("flags, fast", [("fpu sse2 avx2 fma", False), ("avx2 avx512f avx512_bf16", True),
-                                         ("avx512f amx_bf16 amx_tile", True)])
-def test_precision_auto_takes_bfloat16_only_on_a_cpu_that_has_it(monkeypatch, flags, fast):
-    assert ppo_jax.cpu_has_fast_bf16(f"flags\t\t: {flags}\n") is fast
-    monkeypatch.setattr(ppo_jax, "cpu_has_fast_bf16", lambda: fast)
-    assert jax.default_backend() == "cpu"
-    assert ppo_jax.atari_dtype("auto") == (jnp.bfloat16 if fast else jnp.float32)
-    assert ppo_jax.atari_dtype("bf16") == jnp.bfloat16 and ppo_jax.atari_dtype("fp32") == jnp.float32
-
-
-@pytest.mark.parametrize("network, obs", [(ppo_jax.MinAtarActorCritic(6), (10, 10, 4)),
-                                          (ppo_jax.NatureActorCritic(4), (4, 84, 84))])
-def test_cnns_are_their_channels_last_definitions(network, obs):
-    # The networks compute channels first; with the same parameters they must be the networks as
-    # their papers define them, written with flax's own channels-last `nn.Conv` and `nn.Dense`.
+@pytest.mark.parametrize("network, obs", [(ppo_jax.MinAtarActorCritic, (10, 10, 4)),
+                                          (ppo_jax.NatureActorCritic, (4, 84, 84))])
+def test_cnns_with_patch_conv_are_the_cnns_with_nn_conv(network, obs):
+    # The CPU's networks and everyone else's: the same parameters, so that a checkpoint moves between
+    # them, and the same function. On this CPU the command line takes `PatchConv`.
+    assert ppo_jax.convolution_layer() is ppo_jax.PatchConv
     dtype = jnp.uint8 if obs[0] == 4 else jnp.float32
     frames = jnp.asarray(np.random.default_rng(1).integers(0, 256 if obs[0] == 4 else 2, (2, 3) + obs), dtype)
-    params = network.init(jax.random.key(0), frames)["params"]
-
-    def convolution(x, layer, kernel, stride):
-        # The kernel in `patches`' order back to nn.Conv's [height, width, in, out].
-        blocks, channels = kernel // stride, x.shape[-1]
-        weights = layer["Dense_0"]["kernel"].reshape(blocks, blocks, stride, stride, channels, -1)
-        weights = weights.transpose(0, 2, 1, 3, 4, 5).reshape(kernel, kernel, channels, -1)
-        return nn.relu(nn.Conv(weights.shape[-1], (kernel, kernel), strides=stride, padding="VALID").apply(
-            {"params": {"kernel": weights, "bias": layer["Dense_0"]["bias"]}}, x))
-
-    x = frames.reshape(-1, *obs)
-    if obs[0] == 4:
-        x = jnp.moveaxis(x, 1, -1).astype(jnp.float32) / 255.0
-        for index, (kernel, stride) in enumerate([(8, 4), (4, 2), (3, 1)]):
-            x = convolution(x, params[f"Convolution_{index}"], kernel, stride)
-    else:
-        x = convolution(x, params["Convolution_0"], 3, 1)
-    hidden = nn.relu(nn.Dense(params["Dense_0"]["kernel"].shape[1]).apply({"params": params["Dense_0"]},
-                                                                           x.reshape(x.shape[0], -1)))
-    logits = nn.Dense(params["policy"]["kernel"].shape[1]).apply({"params": params["policy"]}, hidden)
-    values = nn.Dense(1).apply({"params": params["value"]}, hidden)[:, 0]
-    policy, computed_values = network.apply({"params": params}, frames)
-    np.testing.assert_allclose(policy.logits.reshape(-1, logits.shape[-1]), logits, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(computed_values.reshape(-1), values, rtol=1e-4, atol=1e-5)
-
+    theirs, ours = network(6), network(6, ppo_jax.PatchConv)
+    params = theirs.init(jax.random.key(0), frames)
+    assert jax.tree.structure(params) == jax.tree.structure(ours.init(jax.random.key(0), frames))
+    assert "Conv_0" in params["params"]
+    params = jax.tree.map(lambda w: w + 0.01 * jnp.sign(w), params)  # non-zero biases, a less uniform policy
+    (their_policy, their_values), (our_policy, our_values) = theirs.apply(params, frames), ours.apply(params, frames)
+    np.testing.assert_allclose(our_policy.logits, their_policy.logits, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(our_values, their_values, rtol=1e-4, atol=1e-5)
 
 def orthogonal_with_gain(matrix: np.ndarray, gain: float) -> bool:
     gram = matrix.T @ matrix if matrix.shape[0] >= matrix.shape[1] else matrix @ matrix.T
@@ -462,7 +340,9 @@ def test_initialisation_gains_and_first_policy(network, obs):
     dtype = jnp.uint8 if len(obs) == 3 and obs[0] == 4 else jnp.float32
     params = jax.jit(network.init)(jax.random.key(0), jnp.zeros((1,) + obs, dtype))
     layers = jax.tree_util.tree_leaves_with_path(params)
-    kernels = [(jax.tree_util.keystr(path), np.asarray(leaf)) for path, leaf in layers if "kernel" in jax.tree_util.keystr(path)]
+    # A convolution's kernel is a matrix with a column per output channel (see `convolution`).
+    kernels = [(jax.tree_util.keystr(path), np.asarray(leaf).reshape(-1, leaf.shape[-1])) for path, leaf in layers
+               if "kernel" in jax.tree_util.keystr(path)]
     output_gains = {0.01: 0, 1.0: 0}
     for name, kernel in kernels:
         gain = next((g for g in (math.sqrt(2), 0.01, 1.0) if orthogonal_with_gain(kernel, g)), None)
