@@ -1083,8 +1083,9 @@ class Workers:
 #   categorical is the largest of $\pi(a|s) / E_a$ with $E_a$ exponential, and the draws of
 #   $E$ for $A$'s rows then $B$'s are the draws for the whole batch, on the CPU.
 # * A game's logits and value from half a batch are the bits it gets in the whole batch, on the
-#   CPUs we know, where the split falls on a multiple of 4 games (the default 8 games split 4 and 4;
-#   `tests/test_ppo_atari_sampling.py` checks it); elsewhere they can differ in the last bit.
+#   CPUs we know, where the split falls on a multiple of 4 games (the default 8 games split 4 and 4);
+#   elsewhere they can differ in the last bit. `tests/test_ppo_atari_sampling.py` compares the two
+#   rollouts bit for bit wherever the network keeps a game's bits in half a batch.
 #
 # On CUDA the random numbers of two draws of half a batch are not those of one draw of the whole
 # (each draw starts at an offset of the generator's stream of its own), so there a seed gives
@@ -1469,10 +1470,12 @@ class TunedActorCritic(ActorCritic):
 class TunedTrainer(DoubleBufferedTrainer):
     """Part 1's `Trainer` with this machine's choices; the algorithm is untouched.
 
-    It samples double-buffered (Part 2), on by default: the games and the network then work at
-    once, on the same rollout (on a CPU, bit for bit). `python benchmarks/throughput.py --part train
-    --sampling both` measures it against Part 1's turns in one run; `double_buffered = False` takes
-    those back.
+    * On CUDA it samples double-buffered (Part 2): the games step on the CPU's cores while the GPU
+      chooses the other half's actions. On a CPU it samples as Part 1 does: the workers and the
+      network share the same cores, and double buffering measured about 5% slower there (8 games:
+      308 against 323 steps/s; 32 games: 301 against 316; 2 cores of an AMD EPYC with AVX2).
+      `python benchmarks/throughput.py --part train --sampling both` measures the two in one run;
+      setting `double_buffered` chooses either.
 
     * The network is a `TunedActorCritic`, in the precision that `config.precision` asks for.
     * Frames are stored channels-last, the layout the network reads, so minibatches need no
@@ -1494,6 +1497,7 @@ class TunedTrainer(DoubleBufferedTrainer):
             torch.backends.cudnn.benchmark = True
             self.staging = torch.zeros((envs.num_envs,) + tuple(envs.observation_shape), dtype=torch.uint8,
                                        pin_memory=True)
+        self.double_buffered = device.type == "cuda"
         super().__init__(config, envs, device)
 
     def build_model(self) -> nn.Module:

@@ -14,7 +14,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import ppo_jax
-from conftest import ROOT
+from conftest import ROOT, readme_example
 from ppo_jax_runs import SCRIPT, Watched, environment, patched, read_checkpoint, run, scalars  # noqa: F401 (fixtures)
 from videos import assert_plays
 
@@ -513,26 +513,18 @@ def test_gymnax_needs_neither_ale_py_nor_opencv(environment, tmp_path):
     assert "unknown environment 'Breakout'" in result.stderr and "Atari games need ale-py" in result.stderr
 
 
-README_POLICY = '''
-import jax
-import ppo_jax
-
-act, make_env = ppo_jax.load_policy("CHECKPOINT", agent=1)
-env = make_env(num_envs=1)
-obs, state = env.reset(jax.random.key(0))
-for step in range(200):
-    act_key, env_key = jax.random.split(jax.random.key(step))
-    obs, state, rewards, terminated, truncated, info = env.step(env_key, state, act(obs, act_key))
-'''
+README_CHECKPOINT = "runs/cartpole/checkpoint.msgpack"
 
 
 def test_a_trained_policy_loads_and_acts_as_the_readme_shows(trained):
     run_dir, _ = trained
     path = run_dir / "checkpoint.msgpack"
-    namespace = {}
-    exec(README_POLICY.replace("CHECKPOINT", str(path)), namespace)
+    code = readme_example("ppo_jax")
+    assert code.count(README_CHECKPOINT) == 1
+    namespace = {"__name__": "readme"}
+    exec(compile(code.replace(README_CHECKPOINT, str(path)), "README.md (ppo_jax)", "exec"), namespace)
     assert namespace["obs"].shape == (1, 4) and namespace["step"] == 199
-    # Its actions are samples of agent 1's trained network, which agent 0's would not all match.
+    # Its actions are samples of the chosen agent's trained network, which another's would not all match.
     act, make_env = ppo_jax.load_policy(path, agent=1)
     obs, _ = make_env(1024).reset(jax.random.key(1))
     key, params = jax.random.key(2), read_checkpoint(path)["runners"]["agent"]["params"]
