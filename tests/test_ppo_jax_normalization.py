@@ -198,6 +198,8 @@ def test_discrete_actions_are_learned_from_raw_observations_and_rewards_as_befor
     training = ppo_jax.make_train(config)
     runner, metrics = jax.jit(training.train)(jax.random.key(7))
     assert runner.normalizer is None
-    # Recorded on this project's CPU, where they agree to the bit; another CPU's XLA may round a last bit apart.
+    # Recorded on an AVX-512 CPU, where they agree to the bit. Another CPU's XLA rounds apart: on an AVX2 one
+    # the policy loss, a near-cancelling mean of terms near 1, moved by 5e-8. Scaling these rewards would move
+    # the value loss (about 30 here) by far more than these tolerances.
     for name, expected in CARTPOLE_LOSSES.items():
-        np.testing.assert_allclose(metrics["losses"][name], np.float32(expected), rtol=1e-6, atol=1e-12, err_msg=name)
+        np.testing.assert_allclose(metrics["losses"][name], np.float32(expected), rtol=1e-4, atol=1e-6, err_msg=name)
