@@ -80,8 +80,9 @@ def process_tree(pid: int) -> set[int]:
 
 def in_a_fresh_process(test):
     """Run a test in a pytest process of its own. For a test that starts threads which a later
-    `fork` must not inherit: x264's encoder threads, once started in the test process, left a
-    ppo_atari worker forked afterwards dead at its first step."""
+    `fork` must not inherit: after a video test had resized and encoded frames in the test process
+    (OpenCV's thread pool, x264's encoder threads), a ppo_atari worker forked later died at its
+    first step."""
 
     @functools.wraps(test)
     def run_elsewhere(*args, **kwargs):
