@@ -1472,8 +1472,9 @@ class TunedTrainer(DoubleBufferedTrainer):
 
     * On CUDA it samples double-buffered (Part 2): the games step on the CPU's cores while the GPU
       chooses the other half's actions. On a CPU it samples as Part 1 does: the workers and the
-      network share the same cores, and double buffering measured about 5% slower there (8 games:
-      308 against 323 steps/s; 32 games: 301 against 316; 2 cores of an AMD EPYC with AVX2).
+      network share the same cores, and double buffering measured no faster there (2 cores of an
+      AMD EPYC with AVX2, two rounds each: 8 games, 308 and 263 steps/s against 323 and 266 in
+      turns; 32 games, 301 and 294 against 316 and 293).
       `python benchmarks/throughput.py --part train --sampling both` measures the two in one run;
       setting `double_buffered` chooses either.
 

@@ -185,7 +185,8 @@ def main() -> None:
             samplings = ["serial", "double-buffered"] if args.sampling == "both" else [args.sampling]
             print(f"(b) training, {env_id}, {num_envs} games x 128 steps, {num_workers} workers, {device}"
                   f"{', CUDA graph' if args.cuda_graph else ''}, median of {args.iterations} iterations"
-                  f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''}")
+                  f"{f', the middle run of {args.rounds} rounds' if args.rounds > 1 else ''}"
+                  f"{' (the faster of the middle two: give an odd --rounds for a median)' if args.rounds % 2 == 0 else ''}")
             for precision in precisions:
                 # The kinds take turns, so that a noisy neighbour on a shared machine hits them alike.
                 alone, runs = [], {sampling: [] for sampling in samplings}
@@ -201,7 +202,8 @@ def main() -> None:
                     run.update(workers_alone_sps=alone_sps, of_workers_alone=run["sps"] / alone_sps,
                                rounds_sps=[each["sps"] for each in runs[sampling]])
                     results["train"].append(run)
-                    print(f"    {run['precision']}, {sampling:>15}: {run['sps']:6,.0f} SPS "
+                    rounds = f" (each round: {', '.join(f'{sps:,.0f}' for sps in run['rounds_sps'])})" if args.rounds > 1 else ""
+                    print(f"    {run['precision']}, {sampling:>15}: {run['sps']:6,.0f} SPS{rounds} "
                           f"({run['of_workers_alone']:.2f} of the workers alone)"
                           f" | per iteration {run['seconds_per_iteration']:.3f} s"
                           f" = waiting for games {run['env_seconds']:.3f} + inference {run['inference_seconds']:.3f}"
