@@ -63,13 +63,13 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
-import copy
 import ctypes
 import dataclasses
 import difflib
 import errno
 import fcntl
 import fractions
+import functools
 import inspect
 import math
 import multiprocessing as mp
@@ -583,7 +583,16 @@ def explained_variance(predictions: torch.Tensor, targets: torch.Tensor) -> floa
 # policy while we store observations, actions, their log-probabilities under the policy that chose
 # them, the values, rewards and episode ends. **Updating**: GAE turns the rollout into advantages
 # and returns, then `update_epochs` passes over the batch in shuffled minibatches minimise
-# `ppo_loss`. The rollout lives on the device, so the update never waits for a copy.
+# `ppo_loss`.
+#
+# **Where the rollout lives.** The games run on the CPU and the network wherever `device` says, and
+# on a GPU every crossing between the two costs a wait. So the rollout is kept on the host while it
+# is played, and each step crosses the boundary once each way: the frames go to the network, and
+# the actions chosen come back together with their log-probabilities and values. Rewards and
+# episode ends never leave the host during the rollout. The advantages are computed there too, a
+# loop of `num_steps` small steps that costs microseconds on a CPU (and would be hundreds of kernel
+# launches on a GPU), and then the whole batch moves to the device once, for the update. On a CPU
+# every one of these moves is free: the tensors are already where they are needed.
 #
 # The trainer plays many games at once. What it needs of them is little: `num_envs`,
 # `observation_shape`, `n_actions`, `reset()`, which returns the first observations, and
@@ -610,18 +619,19 @@ class VecStep(NamedTuple):
 
 
 class NonFiniteError(RuntimeError):
-    """The loss or gradient became NaN or infinite."""
+    """The loss, a gradient or the weights became NaN or infinite."""
 
 
 class Rollout(NamedTuple):
-    r"""One rollout as `update_policy` reads it: tensors on the device, indexed `[step, game]`.
+    r"""One rollout as `update_policy` reads it: tensors on the host, indexed `[step, game]`.
 
     `log_probs` and `values` are those of the policy that chose the actions, which the update
-    compares against; `next_values[t]` is $V(s_{t+1})$ as `compute_gae` defines it.
+    compares against; `next_values[t]` is $V(s_{t+1})$ as `compute_gae` defines it. Episode ends
+    are 0 or 1, as floats, for the arithmetic of `compute_gae`.
     """
 
     obs: torch.Tensor             # [num_steps, num_envs, *observation_shape] uint8
-    actions: torch.Tensor         # [num_steps, num_envs]
+    actions: torch.Tensor         # [num_steps, num_envs] int64
     log_probs: torch.Tensor
     values: torch.Tensor
     next_values: torch.Tensor
@@ -652,12 +662,18 @@ class Trainer:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate, eps=1e-5, fused=True)
         self.update = 0
         self.global_step = 0
+        # The rollout's storage, on the host: numpy arrays, which the games' arrays are copied into
+        # without a call to torch, and which `torch.from_numpy` shows to torch without a copy.
         shape = (config.num_steps, envs.num_envs)
-        self.obs = self.frame_storage(shape)
-        self.actions = torch.zeros(shape, dtype=torch.long, device=device)
-        self.log_probs, self.values, self.next_values, self.rewards, self.terminated, self.truncated = (
-            torch.zeros(shape, device=device) for _ in range(6))
-        self.next_obs = self.frame_storage((envs.num_envs,))
+        frames = tuple(envs.observation_shape)
+        self.storage = Rollout(self.host_array(shape + frames, np.uint8), self.host_array(shape, np.int64),
+                               *(self.host_array(shape, np.float32) for _ in range(6)))
+        self.rollout = Rollout(*(torch.from_numpy(array) for array in self.storage))  # torch's view of it
+        self.next_obs = self.host_array((envs.num_envs,) + frames, np.uint8)
+        # Where each step's actions, log-probabilities and values land together, on the host: an
+        # array, and torch's view of it.
+        self.chosen = self.host_array((3, envs.num_envs), np.float32)
+        self.chosen_tensor = torch.from_numpy(self.chosen)
         self.needs_reset = True
         self.finished_games: list[tuple[int, float, int]] = []
 
@@ -670,57 +686,66 @@ class Trainer:
         """The network for these games (`make_model`)."""
         return make_model(self.envs.observation_shape, self.envs.n_actions)
 
-    def frame_storage(self, leading: tuple[int, ...]) -> torch.Tensor:
-        """Room on the device for `leading` observations: `uint8` frames, as the games give them."""
-        return torch.zeros(leading + tuple(self.envs.observation_shape), dtype=torch.uint8, device=self.device)
+    def host_array(self, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+        """Room on the host for part of the rollout."""
+        return np.zeros(shape, dtype)
 
-    def observe(self, frames: np.ndarray) -> None:
-        """Take the observations the games returned as the next ones the policy sees."""
-        self.next_obs.copy_(torch.from_numpy(frames))
+    def sample_actions(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        r"""$a \sim \pi_\theta(\cdot|s)$ for each observation, with $\log \pi_\theta(a|s)$ and $V(s)$.
+
+        The draw is written out as the exponential race: the action with the largest
+        $\pi_\theta(a|s) / E_a$, each $E_a \sim \mathrm{Exp}(1)$, is a sample of $\pi_\theta(\cdot|s)$.
+        It is the draw `Categorical.sample()` makes (PyTorch's one-sample `multinomial`), number for
+        number on the CPU, without the check of the probabilities that makes `multinomial` wait
+        for the device. Everything here runs on the device, and nothing waits: Part 3 can replay
+        this method as one CUDA graph.
+        """
+        logits, values = self.model(obs)
+        policy = Categorical(logits=logits, validate_args=False)
+        actions = policy.probs.div(torch.empty_like(policy.probs).exponential_()).argmax(-1)
+        # $\log \pi_\theta(a|s)$: the normalised logit of the action drawn (`policy.log_prob`, in fewer steps).
+        log_probs = policy.logits.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+        return actions, log_probs, values
+
+    def values_of(self, frames: np.ndarray) -> np.ndarray:
+        """$V(s)$ of a batch of observations on the host."""
+        return self.model(torch.from_numpy(frames).to(self.device))[1].cpu().numpy()
 
     @torch.inference_mode()
     def collect_rollout(self) -> Rollout:
         """Play `num_steps` steps in every game with the current policy."""
+        storage = self.storage
         if self.needs_reset:
-            self.observe(self.envs.reset())
+            self.next_obs[:] = self.envs.reset()
             self.needs_reset = False
         self.finished_games = []
         truncations = []
         for t in range(self.config.num_steps):
             # Step $t$: store $s_t$, sample $a_t \sim \pi_\theta(\cdot|s_t)$, and keep
             # $\log \pi_\theta(a_t|s_t)$ and $V(s_t)$, the old policy's numbers that the update
-            # compares against. A game that ended was reset by its worker, so the frames that come
+            # compares against. The frames cross to the device, and the three come back in one copy.
+            storage.obs[t] = self.next_obs
+            obs = torch.from_numpy(storage.obs[t]).to(self.device, non_blocking=True)
+            self.chosen_tensor.copy_(torch.stack(self.sample_actions(obs)))
+            storage.actions[t], storage.log_probs[t], storage.values[t] = self.chosen
+            # The games play $a_t$. One that ended was reset by its worker, so the frames that come
             # back start the next game; a truncated game's last frames come apart, to be valued below.
-            self.obs[t] = self.next_obs
-            logits, values = self.model(self.obs[t])
-            policy = Categorical(logits=logits, validate_args=False)
-            actions = policy.sample()
-            self.actions[t], self.log_probs[t], self.values[t] = actions, policy.log_prob(actions), values
-            step = self.envs.step(actions.cpu().numpy())
-            self.rewards[t] = torch.from_numpy(step.rewards).to(self.device)
-            self.terminated[t] = torch.from_numpy(step.terminated).to(self.device)
-            self.truncated[t] = torch.from_numpy(step.truncated).to(self.device)
-            for env in np.flatnonzero(step.truncated):
-                truncations.append((t, int(env), torch.from_numpy(step.final_obs[env].copy())))
+            step = self.envs.step(storage.actions[t])
+            storage.rewards[t], storage.terminated[t], storage.truncated[t] = (
+                step.rewards, step.terminated, step.truncated)
+            truncations += [(t, env, step.final_obs[env].copy()) for env in np.flatnonzero(step.truncated)]
             self.finished_games += step.finished_games
-            self.observe(step.obs)
-        self.global_step += self.steps_per_update
-        return self.bootstrap(truncations)
-
-    def bootstrap(self, truncations: list[tuple[int, int, torch.Tensor]]) -> Rollout:
-        """The rollout just played, with its `next_values`; `truncations` holds `(step, game, final
-        observation)` for each game truncated in it."""
+            self.next_obs[:] = step.obs
         # $V(s_{t+1})$ for every step: the next stored value, the value after the rollout for the
         # last step, and the value of the final observation where a game was truncated.
-        self.next_values[:-1] = self.values[1:]
-        self.next_values[-1] = self.model(self.next_obs)[1]
+        storage.next_values[:-1] = storage.values[1:]
+        storage.next_values[-1] = self.values_of(self.next_obs)
         if truncations:
-            final_obs = torch.stack([obs for _, _, obs in truncations]).to(self.device)
-            final_values = self.model(final_obs)[1]
+            final_values = self.values_of(np.stack([obs for _, _, obs in truncations]))
             for (t, env, _), value in zip(truncations, final_values):
-                self.next_values[t, env] = value
-        return Rollout(self.obs, self.actions, self.log_probs, self.values, self.next_values,
-                       self.rewards, self.terminated, self.truncated)
+                storage.next_values[t, env] = value
+        self.global_step += self.steps_per_update
+        return self.rollout
 
     def normalize_advantages(self, advantages: torch.Tensor) -> torch.Tensor:
         """The minibatch's advantages, standardised by `normalize_advantages` (Part 4 widens the minibatch)."""
@@ -743,13 +768,20 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
 
+        # The advantages, on the host where the rollout is; then the batch, flattened from
+        # [steps, envs] into one batch of transitions, crosses to the device in one go.
         with torch.no_grad():
             advantages, returns = compute_gae(rollout.rewards, rollout.values, rollout.next_values,
                                               rollout.terminated, rollout.truncated, config.gamma, config.gae_lambda)
-        # Flatten [steps, envs] into one batch of transitions.
-        obs = rollout.obs.flatten(0, 1)
-        actions, old_log_probs, old_values = (x.flatten() for x in (rollout.actions, rollout.log_probs, rollout.values))
-        advantages, returns = advantages.flatten(), returns.flatten()
+        explained = explained_variance(rollout.values.flatten(), returns.flatten())
+        obs, actions, old_log_probs, old_values, advantages, returns = (
+            x.flatten(0, 1).to(self.device, non_blocking=True)
+            for x in (rollout.obs, rollout.actions, rollout.log_probs, rollout.values, advantages, returns))
+
+        # A NaN or infinite gradient refuses its step and every later one of the update, without
+        # waiting for the device: fused Adam takes no step while its `found_inf` is 1 (the hook that
+        # `torch.amp.GradScaler` uses to skip steps), and the update reads the flag once, at its end.
+        found_inf = self.optimizer.found_inf = torch.zeros((), device=self.device)
 
         # `update_epochs` passes over the batch, each in a new random order, one step of Adam per
         # minibatch. With `target_kl` set, the update ends after the first epoch whose last
@@ -769,21 +801,28 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.compute_gradients(terms.loss)
                 grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
-                if not torch.isfinite(grad_norm):
-                    raise NonFiniteError(f"the loss or its gradient became {grad_norm.item()} at update "
-                                         f"{self.update + 1} (epoch {epoch + 1}); no step was taken")
+                found_inf.logical_or_(~grad_norm.isfinite())
                 self.optimizer.step()
                 history.append(torch.stack([term.detach() for term in terms]))
             if self.beyond_target_kl(terms.approx_kl):
                 stopped_early = True
                 break
-        self.update += 1
-        # What the update measured: the mean of every term of the loss over the steps taken
-        # (whatever fields its result has), and how much of the returns' variance the values explained.
+        # The update's one wait for the device: the means of every term of the loss over the steps
+        # taken, and whether the gradients and the weights stayed finite. A loss can stay finite
+        # while a step sends a weight to infinity (a huge learning rate does it), hence the weights.
         means = torch.stack(history).mean(0)  # never empty: target_kl ends an update only after a whole epoch
-        measured = {**dict(zip(terms._fields, means.tolist())),
-                    "explained_variance": explained_variance(old_values, returns)}
-        return {**measured, "learning_rate": learning_rate, "clip_range": clip_range, "epochs": epoch + 1,
+        weights = nn.utils.get_total_norm(self.model.parameters())
+        gradients_finite, weights_finite, *means = torch.cat(
+            [(found_inf == 0).view(1), weights.isfinite().view(1), means]).tolist()
+        if not (gradients_finite and weights_finite):
+            what = "the loss or its gradient" if not gradients_finite else "the weights"
+            raise NonFiniteError(f"{what} became NaN or infinite in update {self.update + 1}; "
+                                 f"{'no step was taken from then on' if not gradients_finite else 'the run stops'}")
+        self.update += 1
+        # What the update measured (whatever fields the loss's result has) and how much of the
+        # returns' variance the values explained.
+        return {**dict(zip(terms._fields, means)), "explained_variance": explained,
+                "learning_rate": learning_rate, "clip_range": clip_range, "epochs": epoch + 1,
                 "stopped_early": float(stopped_early)}
 
     # ### The loop of training
@@ -791,10 +830,10 @@ class Trainer:
     # Sample a rollout, update on it (the advantages are computed there), report, and again, until
     # the budget of steps is spent. What a real run does after each update (logs, progress,
     # checkpoints) is Part 3's `after_update`; a loop of a student's own can be as short as
-    # `Trainer(config, envs, device).train(print)`.
-    # A real run also times the two calls of the loop and undoes an update that diverges, in Part 3's
-    # `RunTrainer`, which overrides `collect_rollout` and `update_policy` by name: a fork that renames
-    # them renames them there too.
+    # `Trainer(config, envs, device).train(print)`. A real run also times the two calls of the loop
+    # and runs on the machine's fastest settings, in Part 3's `RunTrainer`, which wraps
+    # `collect_rollout`, `sample_actions` and `update_policy` by name: a fork that renames them
+    # renames them there too.
 
     def train(self, after_update: typing.Callable[[dict[str, float]], None] = lambda stats: None) -> None:
         """Update until `total_timesteps` agent steps are played, handing each update's statistics to `after_update`."""
@@ -859,8 +898,7 @@ def run_worker(connection: Connection, make_env, env_id: str, seeds: np.ndarray,
     """The loop of one worker process: it plays games `first_env, first_env + 1, ...`, made by `make_env`.
 
     It answers each command from the main process (`reset`, `step`, `close`) with `ok` once the
-    arrays of its games are written, or with `error` and its traceback. `step FIRST STOP` steps
-    only its games `FIRST` to `STOP - 1`, counted from its own first (`Workers.step_async`).
+    arrays of its games are written, or with `error` and its traceback.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cv2.setNumThreads(1)
@@ -874,12 +912,10 @@ def run_worker(connection: Connection, make_env, env_id: str, seeds: np.ndarray,
             ready = wait_for_any([connection] + ([parent.sentinel] if parent is not None else []))
             if connection not in ready:
                 return  # the main process is gone: leave no orphan behind
-            command, *bounds = connection.recv_bytes().split()
+            command = connection.recv_bytes()
             if command == b"close":
                 return
-            ours = range(*map(int, bounds)) if bounds else range(len(games))
-            for i in ours:
-                game = games[i]
+            for i, game in enumerate(games):
                 if command == b"reset":
                     game.reset()
                     continue
@@ -914,10 +950,7 @@ class Workers:
     """`num_envs` games played by `num_workers` processes; the vector env of the trainer.
 
     `reset()` starts every game and returns the observations; `step(actions)` plays one step of
-    every game and returns a `VecStep`. `step_async(actions, games)` starts a step of some of the
-    games (a slice of them) and returns at once, and `step_wait(games)` waits for it: meanwhile the
-    main process is free, to choose the actions of the other games (`DoubleBufferedTrainer`). Use it
-    as a context manager, or call `close()`.
+    every game and returns a `VecStep`. Use it as a context manager, or call `close()`.
 
     The games are made by `make_env` (Part 1's, unless another is given; under `spawn` it must be a
     function of a module the workers can import). One game made here first tells the shape of the
@@ -937,7 +970,6 @@ class Workers:
         self.arrays = numpy_views(blocks)
         self.processes: list[mp.process.BaseProcess] = []
         self.connections: list[Connection] = []
-        self.games_of_worker: list[range] = []
         # Started with Ctrl-C ignored, so a Ctrl-C while they start (before they can ignore it
         # themselves) cannot reach them; the setting survives both fork and exec.
         in_main_thread = threading.current_thread() is threading.main_thread()
@@ -952,7 +984,6 @@ class Workers:
                 theirs.close()
                 self.processes.append(process)
                 self.connections.append(ours)
-                self.games_of_worker.append(range(int(envs[0]), int(envs[-1]) + 1))
         finally:
             if in_main_thread:
                 signal.signal(signal.SIGINT, previous)
@@ -968,53 +999,23 @@ class Workers:
         return self.arrays["obs"]
 
     def step(self, actions: np.ndarray) -> VecStep:
-        every = slice(0, self.num_envs)
-        self._start_step(actions, every)
-        return self._finish_step(every)
-
-    def step_async(self, actions: np.ndarray, games: slice) -> None:
-        """Start a step of games `games`, with `actions` (one for each of them), and return at once.
-        Its `step_wait` comes before the next step of the same games."""
-        self._start_step(actions, games)
-
-    def step_wait(self, games: slice) -> VecStep:
-        """The step of `games` that `step_async` started, once it is played: a `VecStep` of all the
-        games in which only the rows of `games` are new, and `finished_games` names only theirs."""
-        return self._finish_step(games)
-
-    def _commands(self, games: slice) -> dict[int, bytes]:
-        """The command to each worker that holds some of `games`: `step`, or `step FIRST STOP` for part of its games."""
-        commands = {}
-        for index, ours in enumerate(self.games_of_worker):
-            first, stop = max(games.start, ours.start), min(games.stop, ours.stop)
-            if first < stop:
-                whole = (first, stop) == (ours.start, ours.stop)
-                commands[index] = b"step" if whole else b"step %d %d" % (first - ours.start, stop - ours.start)
-        return commands
-
-    def _start_step(self, actions: np.ndarray, games: slice) -> None:
-        self.arrays["actions"][games] = actions
-        for index, command in self._commands(games).items():
-            self._send(command, [index])
-
-    def _finish_step(self, games: slice) -> VecStep:
-        self._receive(list(self._commands(games)))
+        self.arrays["actions"][:] = actions
+        self._send(b"step")
+        self._receive()
         a = self.arrays
-        finished = [(int(env), float(a["score"][env]), int(a["length"][env]))
-                    for env in games.start + np.flatnonzero(a["game_over"][games])]
+        finished = [(int(env), float(a["score"][env]), int(a["length"][env])) for env in np.flatnonzero(a["game_over"])]
         return VecStep(a["obs"], a["rewards"], a["terminated"], a["truncated"], a["final_obs"], finished)
 
-    def _send(self, command: bytes, workers: list[int] | None = None) -> None:
-        for index in range(len(self.connections)) if workers is None else workers:
+    def _send(self, command: bytes) -> None:
+        for index in range(len(self.connections)):
             try:
                 self.connections[index].send_bytes(command)
             except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
                 raise self._death(index) from None
 
-    def _receive(self, workers: list[int] | None = None) -> None:
-        """Wait for the `ok` of each of `workers` (all of them by default)."""
-        for index in range(len(self.connections)) if workers is None else workers:
-            connection = self.connections[index]
+    def _receive(self) -> None:
+        """Wait for the `ok` of every worker."""
+        for index, connection in enumerate(self.connections):
             try:
                 answer = connection.recv_bytes()
             except (EOFError, ConnectionResetError, OSError):
@@ -1058,119 +1059,85 @@ class Workers:
         self.close()
 
 
-# ### Double-buffered sampling
+# ### The network's side
 #
-# Part 1's rollout takes turns: the network chooses actions for every game while the workers wait,
-# then the workers step every game while the network waits. `DoubleBufferedTrainer` splits the
-# games into two halves, $A$ and $B$, that take the turns in opposite phase, as Sample Factory's
-# double-buffered sampling does (Petrenko et al., 2020, arXiv:2006.11751): while $A$'s workers
-# step, the network chooses $B$'s actions, and the other way round.
+# With the games in other processes, what is left of a step here is the network's: the frames go to
+# the device, the actions come back. `FastSamplingTrainer` is Part 1's `Trainer` with what makes
+# that side fast on the machine at hand; it changes nothing that Part 1 computes.
 #
-# ```
-# network     choose A_t | choose B_t | choose A_t+1 | choose B_t+1 | choose A_t+2 ...
-# workers A              | step A_t   |              | step A_t+1   |
-# workers B              |            | step B_t     |              | step B_t+1
-# ```
+# * While the games are sampled, torch computes on one thread. A batch of 8 observations gains
+#   little from more, and the threads of a parallel section keep spinning for a while after it ends,
+#   on the very cores the workers need to step their games: sampling ran 25% slower on a CPU, and on
+#   an H200 the games took 0.44 s instead of 0.23 s per 1,024 steps. The update keeps every thread.
+# * On CUDA, the rollout's host arrays are pinned (page-locked), so that the GPU's copy engine reads
+#   them by itself; cuDNN and cuBLAS may use TF32; and `sample_actions` is replayed from a CUDA
+#   graph: one launch for its few dozen small kernels, whose launches cost more than their work
+#   (0.12 ms a step for 8 games instead of 0.68 ms, on an H200).
 #
-# The network waits only for games still stepping when their turn comes (and the workers for a
-# network still choosing), so at best a step costs the larger of the two, not their sum.
-#
-# **The same rollout as Part 1's.** The games play the same steps whatever the order in which
-# the halves go, so only the network's numbers could differ, and they do not:
-#
-# * The actions are drawn at step $t$ for half $A$, then for half $B$, with the same random
-#   numbers in the same order as Part 1 draws them for the whole batch at once: one sample of a
-#   categorical is the largest of $\pi(a|s) / E_a$ with $E_a$ exponential, and the draws of
-#   $E$ for $A$'s rows then $B$'s are the draws for the whole batch, on the CPU.
-# * A game's logits and value from half a batch are the bits it gets in the whole batch, on the
-#   CPUs we know, where the split falls on a multiple of 4 games (the default 8 games split 4 and 4);
-#   elsewhere they can differ in the last bit. `tests/test_ppo_atari_sampling.py` compares the two
-#   rollouts bit for bit wherever the network keeps a game's bits in half a batch.
-#
-# On CUDA the random numbers of two draws of half a batch are not those of one draw of the whole
-# (each draw starts at an offset of the generator's stream of its own), so there a seed gives
-# another rollout, as likely as Part 1's.
-#
-# With 8 games the network takes two batches of 4 per step instead of one of 8: the same arithmetic
-# in smaller pieces, and on a GPU twice the kernel launches, which a CUDA graph makes one per half
-# (`TunedTrainer.choose_actions`).
+# Double-buffered sampling, half of the games stepping while the network chooses for the other
+# half, was tried and measured slower on both kinds of machine: 1,047 steps/s against 1,307 in turns
+# on an H200, and 2 to 3% on 2 CPU cores (`benchmarks/README.md` has the runs).
 
 
-class DoubleBufferedTrainer(Trainer):
-    """Part 1's `Trainer`, sampling with the two halves of the games in opposite phase.
+class FastSamplingTrainer(Trainer):
+    """Part 1's `Trainer`, sampling on one thread, and on CUDA from pinned memory and a CUDA graph
+    (`cuda_graph`)."""
 
-    It needs games with `step_async` and `step_wait` (the `Workers`), and at least two of them;
-    with other games, or with `double_buffered` false, it samples as Part 1 does. Its actions are
-    copied to the host once per half-step and nothing else waits for the device: rewards and
-    episode ends gather on the host and reach the device once per rollout.
-    """
+    cuda_graph = True
 
-    double_buffered = True
+    def __init__(self, config: Config, envs, device: torch.device):
+        self.graph = None
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+            torch.backends.cudnn.benchmark = True
+        super().__init__(config, envs, device)
 
-    def observe_games(self, frames: np.ndarray, games: slice) -> None:
-        """Take the observations of `games` in `frames` (the rows of all games) as the next ones."""
-        self.next_obs[games].copy_(torch.from_numpy(frames[games]))
+    def host_array(self, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+        if self.device.type != "cuda":
+            return super().host_array(shape, dtype)
+        pinned = torch.zeros(math.prod(shape) * np.dtype(dtype).itemsize, dtype=torch.uint8, pin_memory=True)
+        return pinned.numpy().view(dtype).reshape(shape)
 
-    def choose_actions(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        r"""$a \sim \pi_\theta(\cdot|s)$ for each observation, with $\log \pi_\theta(a|s)$ and $V(s)$.
+    def sample_actions(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Part 1's `sample_actions`; on CUDA (with `cuda_graph`) replayed from a CUDA graph.
 
-        The action is the $a$ of the largest $\pi_\theta(a|s) / E_a$, with $E_a \sim \mathrm{Exp}(1)$:
-        the exponential race, the draw that `Categorical.sample()` makes (PyTorch's one-sample
-        `multinomial`), written out so that no check of the probabilities waits for the device.
+        The graph records Part 1's method once and replays it with one launch: the observations are
+        copied into its input, and its outputs, valid until the next replay, are returned. It reads
+        the model's parameters where they are, so it follows every update; its random draws advance
+        the CUDA generator as the eager ones do.
         """
-        logits, values = self.model(obs)
-        policy = Categorical(logits=logits, validate_args=False)
-        actions = policy.probs.div(torch.empty_like(policy.probs).exponential_()).argmax(-1)
-        return actions, policy.log_prob(actions), values
+        if not (self.cuda_graph and self.device.type == "cuda"):
+            return super().sample_actions(obs)
+        if self.graph is None:
+            static_obs, side = obs.clone(), torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):  # cuDNN picks its algorithms before the capture
+                    super().sample_actions(static_obs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.graph = (graph, static_obs, super().sample_actions(static_obs))
+        graph, static_obs, outputs = self.graph
+        static_obs.copy_(obs)
+        graph.replay()
+        return outputs
 
-    @torch.inference_mode()
     def collect_rollout(self) -> Rollout:
-        """Play `num_steps` steps in every game, one half of them stepping while the network
-        chooses for the other."""
-        num_envs = self.envs.num_envs
-        if not (self.double_buffered and num_envs >= 2 and hasattr(self.envs, "step_async")):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
             return super().collect_rollout()
-        if self.needs_reset:
-            self.observe(self.envs.reset())
-            self.needs_reset = False
-        self.finished_games = []
-        truncations = []
-        shape = (self.config.num_steps, num_envs)
-        rewards, terminated, truncated = np.zeros(shape, np.float32), np.zeros(shape, bool), np.zeros(shape, bool)
-        halves = (slice(0, num_envs // 2), slice(num_envs // 2, num_envs))
-
-        def start_step(t: int, games: slice) -> None:
-            # As Part 1's step $t$, for the games of one half: store $s_t$, choose $a_t$, keep
-            # $\log \pi_\theta(a_t|s_t)$ and $V(s_t)$, and send the actions to the workers.
-            self.obs[t, games] = self.next_obs[games]
-            actions, log_probs, values = self.choose_actions(self.obs[t, games])
-            self.actions[t, games], self.log_probs[t, games], self.values[t, games] = actions, log_probs, values
-            self.envs.step_async(actions.cpu().numpy(), games)
-
-        for games in halves:
-            start_step(0, games)
-        for t in range(self.config.num_steps):
-            for games in halves:
-                step = self.envs.step_wait(games)
-                rewards[t, games], terminated[t, games] = step.rewards[games], step.terminated[games]
-                truncated[t, games] = step.truncated[games]
-                for env in games.start + np.flatnonzero(step.truncated[games]):
-                    truncations.append((t, int(env), torch.from_numpy(step.final_obs[env].copy())))
-                self.finished_games += step.finished_games
-                self.observe_games(step.obs, games)
-                if t + 1 < self.config.num_steps:
-                    start_step(t + 1, games)
-        for stored, gathered in ((self.rewards, rewards), (self.terminated, terminated), (self.truncated, truncated)):
-            stored.copy_(torch.from_numpy(gathered))
-        self.global_step += self.steps_per_update
-        return self.bootstrap(truncations)
+        finally:
+            torch.set_num_threads(threads)
 
 
 # ## Part 3: Running it for real
 #
 # What turns the algorithm into a program a researcher runs for days: the command line and its
 # checks, the choices that make it fast on the machine at hand, checkpoints, logs and a progress
-# line, clean stops on Ctrl-C, evaluation with videos, and `main`.
+# line, clean stops on Ctrl-C, evaluation with videos, and `main`. Nothing here changes what Part 1
+# computes: each piece wraps it or feeds it.
 
 
 # ### The command line
@@ -1194,8 +1161,7 @@ class RunConfig(Config):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the network runs (`auto`: CUDA when there is one)."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """Arithmetic of the convolutional torso (`auto`: bfloat16 on a CPU with AMX or AVX-512 BF16, float32
-    elsewhere, with TF32 on CUDA)."""
+    """Arithmetic of the torso (`auto`: bfloat16 on a CPU with AMX or AVX-512 BF16, else float32, with TF32 on CUDA)."""
     start_method: Literal["default", "fork", "spawn", "forkserver"] = "default"
     """How worker processes are started (`default`: the platform's own)."""
     run_dir: str | None = None
@@ -1203,18 +1169,15 @@ class RunConfig(Config):
     checkpoint_every: int = 100
     """Write checkpoint.pt every this many updates (and always at the end and on Ctrl-C)."""
     resume: str | None = None
-    """Continue training from this checkpoint with its settings; flags given override them (a larger
-    `--total-timesteps` extends the run, and the annealing stretches over the new length)."""
+    """Continue training from this checkpoint; flags given override its settings (a larger --total-timesteps extends it)."""
     eval: str | None = None
     """Play `eval_episodes` whole games with the policy in this checkpoint and print the score."""
     eval_episodes: int = 10
     """Games to play with `--eval`."""
     capture_video: bool = False
-    """Write games to H.264 mp4s in <run dir>/videos: while training, games 0, 1, 8, 27, ... (the cubes,
-    then every 1,000th) of the first game slot; with `--eval`, every game played."""
+    """Write H.264 mp4s to <run dir>/videos: in training, games 0, 1, 8, 27, ... of the first slot; in --eval, all."""
     track: bool = False
-    """Send the run to Weights & Biases, as CleanRL does: its TensorBoard scalars, and the videos of
-    `--capture-video` (needs `pip install wandb`)."""
+    """Send the run to Weights & Biases, as CleanRL does: its scalars and videos (needs `pip install wandb`)."""
     wandb_project_name: str = "policy-gradients"
     """The Weights & Biases project that `--track` sends the run to."""
     wandb_entity: str | None = None
@@ -1231,30 +1194,20 @@ class ConfigError(Exception):
 def field_docs(cls: type) -> dict[str, str]:
     """The string literal under each field of a dataclass and of the dataclasses it extends, read from their source."""
     docs = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
-            continue
-        try:
-            source = textwrap.dedent(inspect.getsource(klass))
-        except (OSError, TypeError):
-            continue
-        body = ast.parse(source).body[0].body
+    for klass in reversed([klass for klass in cls.__mro__ if dataclasses.is_dataclass(klass)]):
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
         for node, following in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
-                    and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
-                docs[node.target.id] = " ".join(following.value.value.split())
+            if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(following.value.value).split())
     return docs
 
 
 def parse_int(text: str) -> int:
     """An integer, also written as `10_000_000` or `1e7`."""
-    try:
-        return int(text)
-    except ValueError:
-        value = float(text)
-        if not value.is_integer():
-            raise ValueError(text) from None
-        return int(value)
+    value = float(text)
+    if not value.is_integer():
+        raise ValueError(text)
+    return int(text) if text.lstrip("+-").replace("_", "").isdigit() else int(value)
 
 
 parse_int.__name__ = "integer"  # argparse names the type in its message: "invalid integer value"
@@ -1267,90 +1220,83 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def flag(name: str) -> str:
+    """The flag of a field: `num_envs` is `--num-envs`."""
+    return "--" + name.replace("_", "-")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line, one flag per field of `RunConfig` (and so of `Config`).
 
     Flags the user did not type are absent from the parsed namespace (`argparse.SUPPRESS`), so a
     resumed run can tell an explicit `--total-timesteps` from the default.
     """
-    parser = OneLineParser(prog=Path(sys.argv[0]).name if sys.argv[0] else "ppo_atari.py",
-                           description="PPO on Atari, annotated. See the module docstring.",
-                           argument_default=argparse.SUPPRESS)
-    docs = field_docs(RunConfig)
-    hints = typing.get_type_hints(RunConfig)
+    parser = OneLineParser(prog="ppo_atari.py", argument_default=argparse.SUPPRESS,
+                           description="PPO on Atari, annotated. See the module docstring.")
+    docs, hints = field_docs(RunConfig), typing.get_type_hints(RunConfig)
     for field in dataclasses.fields(RunConfig):
-        flag = "--" + field.name.replace("_", "-")
-        kind = hints[field.name]
-        help_text = f"{docs.get(field.name, '')} (default: {field.default})"
+        kind, help_text = hints[field.name], f"{docs.get(field.name, '')} (default: {field.default})"
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
-            continue
-        if typing.get_origin(kind) is Literal:
-            parser.add_argument(flag, choices=typing.get_args(kind), help=help_text)
-            continue
-        if type(None) in typing.get_args(kind):
-            kind = next(t for t in typing.get_args(kind) if t is not type(None))
-        parser.add_argument(flag, type=parse_int if kind is int else kind, metavar=field.name.upper(),
-                            help=help_text)
+            parser.add_argument(flag(field.name), action=argparse.BooleanOptionalAction, help=help_text)
+        elif typing.get_origin(kind) is Literal:
+            parser.add_argument(flag(field.name), choices=typing.get_args(kind), help=help_text)
+        else:
+            kind = next(t for t in typing.get_args(kind) or [kind] if t is not type(None))
+            parser.add_argument(flag(field.name), type=parse_int if kind is int else kind,
+                                metavar=field.name.upper(), help=help_text)
     return parser
+
+
+# What each number of the command line must be, as (fields, the test, its words).
+NUMBER_RULES = [
+    (("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "frame_skip",
+      "max_episode_frames", "checkpoint_every", "eval_episodes", "learning_rate", "clip_range", "max_grad_norm",
+      "target_kl"), lambda value: value is None or value > 0, "positive"),
+    (("ent_coef", "vf_coef", "noop_max", "num_workers"), lambda value: value >= 0, "not negative"),
+    (("gamma", "gae_lambda", "sticky_actions"), lambda value: 0 <= value <= 1, "in [0, 1]"),
+    (("seed",), lambda value: 0 <= value <= 2**32 - 1, "in [0, 2**32 - 1]"),
+]
 
 
 def check_config(config: RunConfig) -> None:
     """Refuse settings that cannot work, before any process starts."""
     # Every number first: a NaN passes every comparison below unnoticed, and an inf fails only at
     # the first update.
-    for field in dataclasses.fields(RunConfig):
-        value = getattr(config, field.name)
+    for name, value in vars(config).items():
         if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"--{field.name.replace('_', '-')} must be a finite number, not {value}")
-    if not 0 <= config.seed <= 2**32 - 1:
-        raise ConfigError(f"--seed must be in [0, 2**32 - 1], not {config.seed}")
-    if config.run_dir is not None and Path(config.run_dir).exists() and not Path(config.run_dir).is_dir():
-        raise ConfigError(f"--run-dir {config.run_dir} is a file, not a directory")
-    positive = ["total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs",
-                "frame_skip", "max_episode_frames", "checkpoint_every", "eval_episodes"]
-    for name in positive:
-        if getattr(config, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
-    for name in ["learning_rate", "clip_range", "max_grad_norm"]:
-        if not getattr(config, name) > 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
-    for name in ["gamma", "gae_lambda", "sticky_actions"]:
-        if not 0 <= getattr(config, name) <= 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1], not {getattr(config, name)}")
-    for name in ["ent_coef", "vf_coef", "noop_max", "num_workers"]:
-        if getattr(config, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must not be negative, not {getattr(config, name)}")
-    if config.target_kl is not None and not config.target_kl > 0:
-        raise ConfigError(f"--target-kl must be positive, not {config.target_kl}")
-    if config.batch_size % config.num_minibatches:
-        raise ConfigError(f"the batch of {config.num_envs} envs x {config.num_steps} steps = {config.batch_size} "
-                          f"does not split into {config.num_minibatches} minibatches")
-    if config.eval is None and config.total_timesteps < config.batch_size:
-        raise ConfigError(f"--total-timesteps {config.total_timesteps} is less than one batch "
-                          f"({config.batch_size} = num envs x num steps)")
-    if config.num_workers > config.num_envs:
-        raise ConfigError(f"--num-workers {config.num_workers} is more than --num-envs {config.num_envs}")
-    if config.max_episode_frames <= config.noop_max + 2 * config.frame_skip:
-        raise ConfigError(f"--max-episode-frames {config.max_episode_frames} leaves no room to play "
-                          f"after {config.noop_max} no-ops")
-    if config.eval is not None and config.resume is not None:
-        raise ConfigError("--eval and --resume cannot be used together")
+            raise ConfigError(f"{flag(name)} must be a finite number, not {value}")
+    for names, holds, words in NUMBER_RULES:
+        for name in names:
+            if not holds(getattr(config, name)):
+                raise ConfigError(f"{flag(name)} must be {words}, not {getattr(config, name)}")
+    problems = [
+        (config.run_dir is not None and Path(config.run_dir).exists() and not Path(config.run_dir).is_dir(),
+         f"--run-dir {config.run_dir} is a file, not a directory"),
+        (config.batch_size % config.num_minibatches, f"the batch of {config.num_envs} envs x {config.num_steps} "
+         f"steps = {config.batch_size} does not split into {config.num_minibatches} minibatches"),
+        (config.eval is None and config.total_timesteps < config.batch_size, f"--total-timesteps "
+         f"{config.total_timesteps} is less than one batch ({config.batch_size} = num envs x num steps)"),
+        (config.num_workers > config.num_envs, f"--num-workers {config.num_workers} is more than --num-envs "
+         f"{config.num_envs}"),
+        (config.max_episode_frames <= config.noop_max + 2 * config.frame_skip, f"--max-episode-frames "
+         f"{config.max_episode_frames} leaves no room to play after {config.noop_max} no-ops"),
+        (config.eval is not None and config.resume is not None, "--eval and --resume cannot be used together"),
+    ]
+    for problem, words in problems:
+        if problem:
+            raise ConfigError(words)
 
 
 def resolve_env_id(name: str) -> str:
     """The gymnasium id of an Atari game named `name`, or a `ConfigError` suggesting close names."""
     gym.register_envs(ale_py)
-    atari_ids = sorted(env_id for env_id, spec in gym.registry.items()
-                       if spec.entry_point == "ale_py.env:AtariEnv")
-    if name in atari_ids:
-        return name
-    short_names = {env_id[4:-3]: env_id for env_id in atari_ids
+    atari_ids = sorted(env_id for env_id, spec in gym.registry.items() if spec.entry_point == "ale_py.env:AtariEnv")
+    short_names = {env_id[4:-3].lower(): env_id for env_id in atari_ids
                    if env_id.startswith("ALE/") and env_id.endswith("-v5") and "-ram" not in env_id}
-    for short_name, env_id in short_names.items():
-        if short_name.lower() == name.lower():
-            return env_id
-    close = difflib.get_close_matches(name, list(short_names) + atari_ids, n=3, cutoff=0.6)
+    if name in atari_ids or name.lower() in short_names:
+        return name if name in atari_ids else short_names[name.lower()]
+    close = difflib.get_close_matches(name, [env_id[4:-3] for env_id in short_names.values()] + atari_ids, n=3,
+                                      cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else "; names look like Breakout or ALE/Breakout-v5"
     raise ConfigError(f"unknown Atari game {name!r}{hint}")
 
@@ -1362,31 +1308,23 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None]:
     command line override them (to extend `--total-timesteps`, say).
     """
     given = vars(build_parser().parse_args(argv))
-    checkpoint = None
-    base = {}
     path = given.get("resume") or given.get("eval")
-    if path is not None and not (given.get("resume") and given.get("eval")):
-        checkpoint = load_checkpoint(path)
-        fields = {f.name for f in dataclasses.fields(RunConfig)}
-        base = {k: v for k, v in checkpoint["config"].items() if k in fields and k not in RUN_OPTIONS}
+    checkpoint = load_checkpoint(path) if path is not None and not (given.get("resume") and given.get("eval")) else None
+    fields = {field.name for field in dataclasses.fields(RunConfig)} - RUN_OPTIONS
+    base = {name: value for name, value in checkpoint["config"].items() if name in fields} if checkpoint else {}
     config = RunConfig(**{**base, **given})
     check_config(config)
-    if config.resume is not None:
-        saved = checkpoint["config"]
-        if saved["num_envs"] * saved["num_steps"] != config.batch_size:
-            raise ConfigError(f"a resumed run keeps its batch of {saved['num_envs'] * saved['num_steps']} "
-                              f"transitions (--num-envs x --num-steps)")
+    if config.resume is not None and base["num_envs"] * base["num_steps"] != config.batch_size:
+        raise ConfigError(f"a resumed run keeps its batch of {base['num_envs'] * base['num_steps']} "
+                          f"transitions (--num-envs x --num-steps)")
     return config, checkpoint
 
 
 # ### Hardware choices
 #
-# The only choices in this script that depend on the machine rather than on the algorithm, made
-# here and applied by extending Part 1's classes: where the network runs, the memory layout of the
-# frames, the arithmetic of the torso, how frames reach a GPU, on how many threads the network
-# samples, whether it samples double-buffered (Part 2), and whether a CUDA graph chooses the
-# actions. None of them changes what is computed beyond the rounding of floating point, but for
-# the random draws of double-buffered sampling on CUDA (see Part 2).
+# Where the network runs, and in what precision and memory layout: choices of the machine, not of
+# the algorithm, which change nothing it computes beyond the rounding of floating point (Part 2's
+# `FastSamplingTrainer` makes the others).
 
 
 def choose_device(requested: str, local_rank: int = 0) -> torch.device:
@@ -1395,53 +1333,30 @@ def choose_device(requested: str, local_rank: int = 0) -> torch.device:
         raise ConfigError("--device cuda was asked for, but torch finds no CUDA device")
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
-    return device
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU multiplies bfloat16 in hardware: Intel's AMX (`amx_bf16`) or AVX-512 BF16
     (`avx512_bf16`: AMD Zen 4 and later, some Intel Xeons), read from /proc/cpuinfo."""
-    try:
-        flags = set((Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo).split())
-    except OSError:
-        return False
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    with contextlib.suppress(OSError):
+        cpuinfo = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
+    return bool(set((cpuinfo or "").split()) & {"amx_bf16", "avx512_bf16"})
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:
     r"""Whether the torso runs in bfloat16.
 
-    The update dominates training on a CPU, and bfloat16 shortens it wherever the CPU computes in
-    it natively (`python benchmarks/throughput.py --part train --precision both`): with AMX (Intel
-    Xeon) the whole training step runs 1.6 times faster (1,079 against 679 steps a second, the
-    README's table), with AVX-512 BF16 (AMD EPYC) 1.4 times (632 against 451, medians of three runs
-    with `--iterations 12`; the update 1.7 times). On a CPU with neither, bfloat16 has no hardware
-    to gain from, and `auto` keeps float32.
-    The heads stay in float32. On CUDA, `auto` keeps float32 and lets cuDNN and cuBLAS use TF32.
-
-    It learns as float32 does, within the spread of seeds. Breakout on the AMD EPYC, the 10M
-    schedule stopped at 1M steps (`benchmarks/learning_curves.py`, `-- --precision bf16` and
-    `-- --precision fp32`; the CSVs are `benchmarks/results/breakout-bf16.csv` and
-    `breakout-fp32.csv`), the mean real score of the last 100 games:
-
-    | steps | bf16, seed 1 | bf16, seed 2 | fp32, seed 1 | fp32, seed 2 |
-    |-|-|-|-|-|
-    | 250k | 5.7 | 9.2 | 13.9 | 7.5 |
-    | 500k | 9.9 | 18.2 | 15.0 | |
-    | 750k | 15.3 | 22.3 | 20.3 | |
-    | 1M | 16.3 | 26.7 | 22.4 | |
-
-    From 500k steps on, the float32 run lies between the two bfloat16 seeds, and at 1M the means
-    agree (21.5 in bfloat16, 22.4 in float32; CleanRL's curve: about 20). At 250k it was ahead of
-    both, by luck: a second float32 seed (run to 250k so far) was at 7.5 there, between them. One
-    seed does not give one run in the two precisions: the rounding differs from the first update
-    on, and the runs part as two seeds do.
+    The update dominates training on a CPU, and bfloat16 shortens it wherever the CPU computes in it
+    natively: the whole training step ran 1.6 times faster with AMX (an Intel Xeon) and 1.4 times
+    with AVX-512 BF16 (an AMD EPYC), `python benchmarks/throughput.py --part train --precision both`
+    (the runs are in `benchmarks/README.md`). On a CPU with neither, bfloat16 has no hardware to gain
+    from, and `auto` keeps float32; on CUDA, `auto` keeps float32 and lets cuDNN and cuBLAS use TF32.
+    The heads stay in float32. It learns as float32 does, within the spread of seeds: Breakout to 1M
+    steps, 21.5 in bfloat16 and 22.4 in float32 (`benchmarks/results/breakout-bf16.csv`, `breakout-fp32.csv`).
     """
-    if precision == "auto":
-        return device.type == "cpu" and cpu_has_fast_bf16()
-    return precision == "bf16"
+    return device.type == "cpu" and cpu_has_fast_bf16() if precision == "auto" else precision == "bf16"
 
 
 class TunedActorCritic(ActorCritic):
@@ -1459,123 +1374,56 @@ class TunedActorCritic(ActorCritic):
         self.to(memory_format=torch.channels_last)
 
     def features(self, obs: torch.Tensor) -> torch.Tensor:
-        # One pass from bytes to the torso's own precision; `to` keeps the memory layout.
-        x = obs.to(torch.bfloat16 if self.bf16 else torch.float32).mul_(1.0 / 255.0)
-        x = x.contiguous(memory_format=torch.channels_last)
-        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            hidden = self.torso(x)
-        return hidden.float()
+        # The layout changes on the bytes, then one pass scales them in the torso's own precision.
+        x = obs.contiguous(memory_format=torch.channels_last)
+        if not self.bf16:
+            return self.torso(x * (1.0 / 255.0))
+        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+            return self.torso(x.to(torch.bfloat16).mul_(1.0 / 255.0)).float()  # the heads read float32
 
 
-class TunedTrainer(DoubleBufferedTrainer):
-    """Part 1's `Trainer` with this machine's choices; the algorithm is untouched.
+@contextlib.contextmanager
+def timer(seconds: dict[str, float], key: str):
+    """Add the seconds that the block takes to `seconds[key]`: the split of each update's time that
+    the log shows, counted by `RunWorkers` and `RunTrainer`, so that the code they time holds no timer."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[key] += time.perf_counter() - started
 
-    * On CUDA it samples double-buffered (Part 2): the games step on the CPU's cores while the GPU
-      chooses the other half's actions. On a CPU it samples as Part 1 does: the workers and the
-      network share the same cores, and double buffering measured no faster there (2 cores of an
-      AMD EPYC with AVX2, two rounds each: 8 games, 308 and 263 steps/s against 323 and 266 in
-      turns; 32 games, 301 and 294 against 316 and 293).
-      `python benchmarks/throughput.py --part train --sampling both` measures the two in one run;
-      setting `double_buffered` chooses either.
 
-    * The network is a `TunedActorCritic`, in the precision that `config.precision` asks for.
-    * Frames are stored channels-last, the layout the network reads, so minibatches need no
-      transposition: a `[steps, envs, ...]` store is a view of a flat `[steps * envs, ...]` one, and
-      a minibatch gathered from it keeps the layout.
-    * On CUDA, frames go to the GPU through pinned (page-locked) memory, which the GPU's copy engine
-      reads by itself, so the copy runs asynchronously; cuDNN and cuBLAS may use TF32.
-    * On a CPU, the network samples on one thread (see `collect_rollout`).
-    * With `cuda_graph` set, the forward pass that chooses actions on CUDA is replayed from a
-      captured CUDA graph (see `choose_actions`). Off by default: no GPU has measured it faster yet.
-    """
+class RunTrainer(FastSamplingTrainer):
+    """The trainer of a run on one process: Part 2's `FastSamplingTrainer` with the network this machine
+    runs fastest (`TunedActorCritic`, in the precision `config.precision` asks for), and its two phases
+    timed for the log (`seconds`). Part 4's `DataParallelRunTrainer` is this class on several ranks."""
 
-    cuda_graph = False
-
-    def __init__(self, config: RunConfig, envs, device: torch.device):
-        if device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-            torch.backends.cudnn.benchmark = True
-            self.staging = torch.zeros((envs.num_envs,) + tuple(envs.observation_shape), dtype=torch.uint8,
-                                       pin_memory=True)
-        self.double_buffered = device.type == "cuda"
+    def __init__(self, config: Config, envs, device: torch.device):
+        self.seconds = {"sampling": 0.0, "update": 0.0}
         super().__init__(config, envs, device)
 
     def build_model(self) -> nn.Module:
         return TunedActorCritic(super().build_model(), use_bf16(self.config.precision, self.device))
 
-    def frame_storage(self, leading: tuple[int, ...]) -> torch.Tensor:
-        flat = super().frame_storage((math.prod(leading),)).contiguous(memory_format=torch.channels_last)
-        return flat.view(leading + flat.shape[1:])
-
-    def observe(self, frames: np.ndarray) -> None:
-        if self.device.type != "cuda":
-            return super().observe(frames)
-        self.next_obs.copy_(self.staging.copy_(torch.from_numpy(frames)), non_blocking=True)
-
-    def observe_games(self, frames: np.ndarray, games: slice) -> None:
-        if self.device.type != "cuda":
-            return super().observe_games(frames, games)
-        self.next_obs[games].copy_(self.staging[games].copy_(torch.from_numpy(frames[games])), non_blocking=True)
-
-    def choose_actions(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Part 2's choice of actions; with `cuda_graph` on CUDA, replayed from a CUDA graph.
-
-        Choosing the actions of 4 games is a few dozen small kernels, whose launches cost more on
-        a GPU than their work. A CUDA graph (`torch.cuda.CUDAGraph`) records them once, for each
-        batch size, and replays them with one launch: the observations are copied into the graph's
-        input, and its outputs, valid until the next replay, are returned. The graph reads the
-        model's parameters where they are, so it follows every update; its random draws advance
-        the CUDA generator as the eager ones do.
-        """
-        if not (self.cuda_graph and self.device.type == "cuda"):
-            return super().choose_actions(obs)
-        if not hasattr(self, "graphs"):
-            self.graphs: dict[int, tuple] = {}
-        if len(obs) not in self.graphs:
-            static_obs = obs.clone()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):  # cuDNN picks its algorithms before the capture
-                    super().choose_actions(static_obs)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outputs = super().choose_actions(static_obs)
-            self.graphs[len(obs)] = (graph, static_obs, outputs)
-        graph, static_obs, outputs = self.graphs[len(obs)]
-        static_obs.copy_(obs)
-        graph.replay()
-        return outputs
-
     def collect_rollout(self) -> Rollout:
-        """Part 2's sampling (Part 1's with `double_buffered` false); on a CPU, with the network on one thread.
+        with timer(self.seconds, "sampling"):
+            return super().collect_rollout()
 
-        A batch of 8 frames gains little from more, and the threads of a parallel section keep
-        spinning for a while after it ends, on the very cores the workers need to step their games
-        (measured: 25% slower sampling). The update keeps every thread.
-        """
-        if self.device.type != "cpu":
-            return super().collect_rollout()
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return super().collect_rollout()
-        finally:
-            torch.set_num_threads(threads)
+    def update_policy(self, rollout: Rollout) -> dict[str, float]:
+        with timer(self.seconds, "update"):
+            return super().update_policy(rollout)
 
 
 # ### Checkpoints
 #
 # A checkpoint holds all the state of training: the model, Adam's moments, the counters, the
 # random state of every rank and the configuration. The games themselves restart on resume; their
-# emulator state is not saved.
+# emulator state is not saved. It is written to a temporary file of this process's own, then
+# renamed over the last one, so a crash never leaves half a file; a full disk is one line naming
+# the checkpoint that is still whole. It is read with `weights_only=True`: tensors and plain data.
 
 
 CHECKPOINT_FORMAT = "ppo_atari/1"
-
-# What `restore_checkpoint` and `main` read from a checkpoint.
 CHECKPOINT_FIELDS = ("config", "update", "global_step", "ranks", "model", "optimizer", "torch_rng", "cuda_rng",
                      "game")
 
@@ -1588,13 +1436,12 @@ def game_name(env_id: str) -> str:
 def checkpoint_state(trainer: Trainer, env_id: str, ranks: Ranks) -> dict:
     """The state to save, marked with the game it plays, so that another game's run refuses it.
     With several ranks, every rank must call it: it gathers their random states."""
-    device = trainer.device
-    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.zeros(0, dtype=torch.uint8)
+    cuda = trainer.device.type == "cuda"
     return {"format": CHECKPOINT_FORMAT, "config": dataclasses.asdict(trainer.config),
             "n_actions": trainer.envs.n_actions, "update": trainer.update, "global_step": trainer.global_step,
             "ranks": ranks.size, "model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-            "torch_rng": ranks.gather(torch.get_rng_state()), "cuda_rng": ranks.gather(cuda_rng),
-            "game": game_name(env_id)}
+            "torch_rng": ranks.gather(torch.get_rng_state()), "game": game_name(env_id),
+            "cuda_rng": ranks.gather(torch.cuda.get_rng_state(trainer.device) if cuda else torch.zeros(0, dtype=torch.uint8))}
 
 
 def restore_checkpoint(trainer: Trainer, checkpoint: dict, path: str, ranks: Ranks) -> None:
@@ -1612,48 +1459,20 @@ class DiskFull(Exception):
 
 
 def save_checkpoint(state: dict, path: Path) -> None:
-    """Write `state` to `path` atomically: to a temporary file first, then renamed over it.
-
-    The temporary file is this process's own (its name holds the pid), and it is removed if the
-    write fails, so that a full disk is not left fuller. A Ctrl-C or SIGTERM that arrives during the
-    write takes effect once the checkpoint is whole (`signals_held`).
-    """
+    """Write `state` to `path` atomically: to a temporary file, removed if the write fails, then renamed over it."""
     temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with signals_held():
-        try:
-            with open(temporary, "wb") as file:
-                torch.save(state, file)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
-
-
-@contextlib.contextmanager
-def signals_held():
-    """Hold Ctrl-C and SIGTERM back until the block is done, then deliver them as they came.
-
-    Python runs a signal's handler between two bytecodes of the main thread, wherever it is. An
-    exception raised there from inside `torch.save` leaves its C++ writer half-closed, and closing
-    it can then end the process outright (`terminate called ... c10::Error`), with no message,
-    no cleanup and the temporary file left behind. Held back, the signal arrives a moment later,
-    and the run's `StopRequest` decides what it means as it always does.
-    """
-    if threading.current_thread() is not threading.main_thread():  # only the main thread handles signals
-        yield
-        return
-    held: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-        for signum in held:
-            signal.raise_signal(signum)
+        with open(temporary, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException as error:
+        temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            raise DiskFull(f"no space left on device while writing {path}; the last checkpoint is "
+                           f"{path if path.is_file() else 'none was written'}") from None
+        raise
 
 
 def last_checkpoint(*paths: Path | str | None) -> Path | None:
@@ -1675,8 +1494,7 @@ def run_dir_lock(run_dir: Path):
         except BlockingIOError:
             file.seek(0)
             raise ConfigError(f"{run_dir} is in use by another run (process {file.read().strip() or '?'})") from None
-        file.seek(0)
-        file.truncate()
+        file.truncate(0)
         file.write(f"{os.getpid()}\n")
         file.flush()
         yield
@@ -1718,7 +1536,8 @@ class Progress:
     """One line on the terminal: steps done, speed, time left, recent scores.
 
     The same text as `vpg_continuous.py`'s but for the words: the scores of games here, the returns
-    of episodes there.
+    of episodes there. On a terminal it is redrawn in place after every update; into a file, a new
+    line at most every 10 seconds, and the final one, so that the log of a long run stays short.
     """
 
     def __init__(self, total: int, start_step: int):
@@ -1731,26 +1550,21 @@ class Progress:
         return (step - self.start_step) / max(time.perf_counter() - self.started, 1e-9)
 
     def show(self, step: int, final: bool = False) -> None:
-        """Redraw the line in place on a terminal. When stderr is a file, write a new line at most
-        every 10 seconds, and the final one, so that the log of a long run stays short."""
         now = time.perf_counter()
         if not (self.interactive or final or now - self.last_print >= 10.0):
             return
-        self.last_print = now
-        sps = self.steps_per_second(step)
-        left = (self.total - step) / sps if sps > 0 else float("inf")
+        self.last_print, sps = now, self.steps_per_second(step)
+        left = format_duration((self.total - step) / sps if sps > 0 else math.inf)
         recent = f"{np.mean(self.scores):.1f} (last {len(self.scores)} games)" if self.scores else "-"
-        line = (f"step {step:,}/{self.total:,} ({100 * step / self.total:.1f}%) | {sps:,.0f} SPS | "
-                f"{format_duration(left)} left | score {recent}")
-        end = "\n" if final or not self.interactive else ""
-        print(("\r\033[K" if self.interactive else "") + line, end=end, file=sys.stderr, flush=True)
+        line = f"step {step:,}/{self.total:,} ({100 * step / self.total:.1f}%) | {sps:,.0f} SPS | {left} left | score {recent}"
+        print(("\r\033[K" if self.interactive else "") + line, end="\n" if final or not self.interactive else "",
+              file=sys.stderr, flush=True)
 
 
 def format_duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
-    minutes, seconds = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
+    hours, minutes, seconds = int(seconds) // 3600, int(seconds) // 60 % 60, int(seconds) % 60
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
 
 
@@ -1762,17 +1576,6 @@ def hyperparameter_table(config: Config, env_id: str) -> str:
 
 def default_run_dir(config: Config, env_id: str) -> Path:
     return Path("runs") / f"{gym.spec(env_id).name}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-@contextlib.contextmanager
-def timer(seconds: dict[str, float], key: str):
-    """Add the seconds that the block takes to `seconds[key]`: the split of each update's time that
-    the log shows, counted by `RunWorkers` and `RunTrainer`, so that the code they time holds no timer."""
-    started = time.perf_counter()
-    try:
-        yield
-    finally:
-        seconds[key] += time.perf_counter() - started
 
 
 def log_update(writer, step: int, stats: dict[str, float], finished_games: list, progress: Progress,
@@ -1789,68 +1592,24 @@ def log_update(writer, step: int, stats: dict[str, float], finished_games: list,
         writer.add_scalar("charts/episodic_return", score, step)
         writer.add_scalar("charts/episodic_length", length, step)
         progress.scores.append(score)
-    writer.add_scalar("charts/learning_rate", stats["learning_rate"], step)
-    writer.add_scalar("charts/clip_range", stats["clip_range"], step)
-    for name, value in stats.items():
-        if name not in ("loss", *NOT_MEASURED):
-            writer.add_scalar(f"losses/{name}", value, step)
-    writer.add_scalar("charts/SPS", progress.steps_per_second(step), step)
-    for phase, value in seconds.items():
-        writer.add_scalar(f"perf/{phase}_seconds", value, step)
+    scalars = {"charts/learning_rate": stats["learning_rate"], "charts/clip_range": stats["clip_range"],
+               **{f"losses/{name}": value for name, value in stats.items() if name not in ("loss", *NOT_MEASURED)},
+               "charts/SPS": progress.steps_per_second(step),
+               **{f"perf/{phase}_seconds": value for phase, value in seconds.items()}}
+    for tag, value in scalars.items():
+        writer.add_scalar(tag, value, step)
     progress.show(step)
 
 
 # ### Signals
 #
-# Ctrl-C or SIGTERM asks a run to stop at the next safe point: between two steps of the games (the
-# unfinished rollout is dropped) or after an update. The checkpoint is then written and the exit
-# status is 128 plus the signal's number. A second signal aborts at once, and so does a first one
-# that comes before training begins.
-
-
-class StopRequest:
-    """Ctrl-C (SIGINT) and SIGTERM for the life of a run: a request to stop at the next safe point, or an abort.
-
-    Before `training` is set, a signal aborts the run at once: nothing is trained yet, so nothing is
-    lost. Once it is, the first signal sets the request (`stop()` is then true, and the run writes
-    a checkpoint at the next safe point and exits), and a second one aborts at once, unless it comes
-    within `same_within` seconds of the first: under torchrun a terminal's Ctrl-C reaches each rank
-    twice, from the terminal and passed on by torchrun, and the two are one request. All three
-    scripts of this project decide alike, with this class; how a signal reaches `handle` and what
-    an abort does are `__enter__` and `abort`, which a script may make its own.
-    """
-
-    def __init__(self, announce: bool = True, same_within: float = 0.0):
-        self.signal: int | None = None
-        self.received = 0.0
-        self.training = False
-        self.announce, self.same_within = announce, same_within
-
-    def __call__(self) -> bool:
-        return self.signal is not None
-
-    def handle(self, signum: int) -> None:
-        if self.training and self.signal is None:
-            self.signal, self.received = signum, time.monotonic()
-            if self.announce:
-                print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
-                      "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
-        elif not self.training or time.monotonic() - self.received >= self.same_within:
-            self.abort("aborted by a second interrupt" if self.training else "interrupted before training began",
-                       signum)
-
-    def abort(self, why: str, signum: int) -> None:
-        """End the run at once: an `Aborted` raised in the main thread, which unwinds it."""
-        raise Aborted(why, signum)
-
-    def __enter__(self) -> StopRequest:
-        self.previous = {sig: signal.signal(sig, lambda signum, frame: self.handle(signum))
-                         for sig in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+# Ctrl-C (SIGINT) and SIGTERM reach one handler, `Signals.handle`, which decides by the phase of the
+# run. While the workers start, before training begins, a signal aborts at once: nothing is trained
+# yet. During training the first asks for a stop at the next safe point, between two steps of the
+# games (the unfinished rollout is dropped) or after an update: the checkpoint is written, the
+# resume line printed, and the exit status is 128 plus the signal's number. A second one aborts at
+# once, with no new checkpoint, naming the last one there is. While a checkpoint is written, signals
+# wait until it is whole (`held`); once the last one is written, they cannot cut the closing short.
 
 
 class Aborted(KeyboardInterrupt):
@@ -1862,133 +1621,92 @@ class Aborted(KeyboardInterrupt):
 
 
 class Stopped(Exception):
-    """Ends the loop of training at a safe point after a `StopRequest`; `signal` is the signal's number."""
+    """Ends the loop of training at a safe point once a stop is requested; `signal` is the signal's number."""
 
     def __init__(self, signal_number: int):
         super().__init__(signal_number)
         self.signal = signal_number
 
 
+class Signals:
+    """Ctrl-C and SIGTERM for the life of a run, a context manager that installs `handle`.
+
+    `requested` is the number of training's first signal, the request to stop. A second signal
+    within `same_within` seconds of it is the same request: under torchrun a terminal's Ctrl-C
+    reaches each rank twice, from the terminal and passed on by torchrun.
+    """
+
+    def __init__(self, announce: bool = True, same_within: float = 0.0):
+        self.requested: int | None = None
+        self.training = self.closing = False
+        self.received, self.waiting = 0.0, None
+        self.announce, self.same_within = announce, same_within
+
+    def handle(self, signum: int, frame: object = None) -> None:
+        if self.closing:
+            return
+        if self.waiting is not None:
+            self.waiting.append(signum)
+        elif self.training and self.requested is None:
+            self.requested, self.received = signum, time.monotonic()
+            if self.announce:
+                print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
+                      "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+        elif not self.training or time.monotonic() - self.received >= self.same_within:
+            raise Aborted("aborted by a second interrupt" if self.training else "interrupted before training began",
+                          signum)
+
+    @contextlib.contextmanager
+    def held(self):
+        """Hold signals back until the block is done, then handle them as they came.
+
+        Python runs a handler between two bytecodes of the main thread, wherever it is. An exception
+        raised there from inside `torch.save` leaves its C++ writer half-closed, and closing it can
+        then end the process outright (`terminate called ... c10::Error`), with no message, no
+        cleanup and the temporary file left behind.
+        """
+        self.waiting = []
+        try:
+            yield
+        finally:
+            waiting, self.waiting = self.waiting, None
+            for signum in waiting:
+                self.handle(signum)
+
+    def __enter__(self) -> Signals:
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
 class RunWorkers(Workers):
     """Part 2's `Workers` as a run steps them: the seconds spent waiting for the games are added to
-    `seconds["env"]` (each `step`, or each `step_wait` of a half under double-buffered sampling), and,
-    given a `stop`, a step raises `Stopped` instead of stepping once a stop is requested, so that one
-    process stops within a rollout rather than after it. (`train` gives several ranks no `stop`: each
-    finishes its rollout, and they stop together after the update.)"""
+    `seconds["env"]`, and, given `signals`, a step raises `Stopped` instead of stepping once a stop
+    is requested, so that one process stops within a rollout rather than after it. (`train` gives
+    several ranks no `signals`: each finishes its rollout, and they stop together after the update.)"""
 
-    def __init__(self, *args, stop: StopRequest | None = None, **kwargs):
+    def __init__(self, *args, signals: Signals | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.stop = stop
-        self.seconds = {"env": 0.0}
-
-    def refuse_if_stopped(self) -> None:
-        if self.stop is not None and self.stop():
-            raise Stopped(self.stop.signal)
+        self.signals, self.seconds = signals, {"env": 0.0}
 
     def step(self, actions: np.ndarray) -> VecStep:
-        self.refuse_if_stopped()
+        if self.signals is not None and self.signals.requested:
+            raise Stopped(self.signals.requested)
         with timer(self.seconds, "env"):
             return super().step(actions)
-
-    def step_async(self, actions: np.ndarray, games: slice) -> None:
-        self.refuse_if_stopped()
-        super().step_async(actions, games)
-
-    def step_wait(self, games: slice) -> VecStep:
-        with timer(self.seconds, "env"):
-            return super().step_wait(games)
-
-
-# ### Updates that diverge
-#
-# A loss can stay finite while the step it takes sends a weight to infinity (a huge learning rate
-# on one minibatch does it). A checkpoint of such weights would be "the last good checkpoint" in
-# name only, so each update is all or nothing: if any weight is NaN or infinite after it, or its
-# loss was, the weights and Adam's moments go back to what they were before it and the run stops.
-
-
-class RunTrainer(TunedTrainer):
-    """The trainer of a run on one process: the class it extends, with each update all or nothing
-    (above), and the seconds of sampling and of updating added to `seconds`, for the log's split of
-    each update.
-
-    It overrides the two methods that Part 1's `train` calls, `collect_rollout` and `update_policy`;
-    a fork that renames or splits them in Part 1 does the same here. Part 4's `DataParallelRunTrainer`
-    is this class on several ranks.
-    """
-
-    def __init__(self, config: Config, envs, device: torch.device):
-        super().__init__(config, envs, device)
-        self.seconds = {"sampling": 0.0, "update": 0.0}
-
-    def collect_rollout(self) -> Rollout:
-        with timer(self.seconds, "sampling"):
-            return super().collect_rollout()
-
-    def update_policy(self, rollout: Rollout) -> dict[str, float]:
-        """Part 1's update, as the class this one extends runs it. If it leaves a weight (or its loss)
-        NaN or infinite, the weights, Adam's moments and the count of updates go back to what they
-        were before it, and it raises `NonFiniteError`, so that every checkpoint written after it
-        holds finite weights."""
-        parameters = [parameter for group in self.optimizer.param_groups for parameter in group["params"]]
-        saved = [parameter.detach().clone() for parameter in parameters]
-        saved_optimizer, update = copy.deepcopy(self.optimizer.state_dict()), self.update
-        try:
-            with timer(self.seconds, "update"):
-                stats = super().update_policy(rollout)
-            if all(torch.isfinite(parameter).all() for parameter in parameters):
-                return stats
-            error = NonFiniteError(f"the weights became NaN or infinite in update {update + 1}")
-        except NonFiniteError as raised:
-            error = raised
-        with torch.no_grad():
-            for parameter, value in zip(parameters, saved):
-                parameter.copy_(value)
-        self.optimizer.load_state_dict(saved_optimizer)
-        self.update = update
-        raise NonFiniteError(f"{error}; the update was undone")
-
-
-def aborted(why: str, checkpoint: Path | None) -> str:
-    """What an abort leaves: no new checkpoint, and the last one if there is one."""
-    return f"{why}: no checkpoint written now; " + (f"the last one is {checkpoint}" if checkpoint else "none was written")
-
-
-def ignore_interrupts(for_good: bool = False) -> None:
-    """Closing what is open (the log writer, the workers) takes a second or two once the last
-    checkpoint is written, or the run aborted: a Ctrl-C then is ignored rather than cutting it short.
-
-    The handler that ignores it is a Python function, not `SIG_IGN`. A signal that arrives while
-    the handler is being changed reaches Python after the change, and under `SIG_IGN` Python prints
-    a traceback for it ("Signal 2 ignored due to race condition"); a function just drops it.
-    `for_good`, once the run has returned, then sets `SIG_IGN` too: the interpreter's shutdown gives
-    a Python handler back to the default, and a late Ctrl-C would kill the process, but it keeps
-    `SIG_IGN`. A signal already on its way by then meets the function.
-    """
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, ignore_signal)
-    if for_good:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-
-
-def ignore_signal(signum: int, frame: object) -> None:
-    """A signal handler that does nothing."""
 
 
 # ### The run
 #
 # `train` makes the run's directory, the workers (`RunWorkers`), the device and the trainer, then
 # runs Part 1's loop with what a real run adds after each update: logs, progress, checkpoints, and a
-# stop when asked. The trainer is `RunTrainer`, above; with several ranks (Part 4) each rank runs
-# `train` with a `DataParallelRunTrainer`, and rank 0 alone writes (and locks the directory).
-#
-# What Ctrl-C does, in every phase. While the workers start, before training begins, it aborts
-# at once: nothing is trained yet. During training the first asks for a stop; the checkpoint is
-# written and the exit status is 130. A second one, during training or while the checkpoint is
-# written, aborts: no new checkpoint (a half-written one is removed), the workers are closed, and
-# the run exits 130 at once, naming the last checkpoint there is. Once the last checkpoint is
-# written, closing is not interrupted. (`ppo_jax.py` decides alike, with the same `StopRequest`.)
+# stop when asked. The trainer is `RunTrainer`; with several ranks (Part 4) each rank runs `train`
+# with a `DataParallelRunTrainer`, and rank 0 alone writes (and locks the directory). A worker that
+# fails while the games are stepped leaves the weights whole, so one process saves them before it
+# reports; an update that diverged (`NonFiniteError`) writes nothing, and the last good checkpoint stays.
 
 
 def game_options(config: Config) -> dict:
@@ -1997,175 +1715,110 @@ def game_options(config: Config) -> dict:
                 frame_skip=config.frame_skip, max_episode_frames=config.max_episode_frames)
 
 
-def seed_everything(seed: int) -> None:
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int:
     """Train, log and checkpoint; the exit status of the run."""
-    ranks = Ranks.from_environment()
-    if checkpoint is not None:
-        run_dir = Path(config.run_dir or Path(config.resume).parent)
-        if checkpoint["ranks"] != ranks.size:
-            raise ConfigError(f"checkpoint {config.resume} was written by a run of {checkpoint['ranks']} rank(s); "
-                              f"resume it with as many, not {ranks.size}")
-    else:
-        run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config, env_id)
-    with run_dir_lock(run_dir) if ranks.is_main else contextlib.nullcontext():
-        checkpoint_path = run_dir / "checkpoint.pt"
-        if ranks.is_main and checkpoint_path.exists():
-            if checkpoint is None:
-                raise ConfigError(f"{run_dir} already holds a checkpoint; resume it with --resume "
-                                  f"{checkpoint_path} or choose another --run-dir")
-            if not checkpoint_path.samefile(config.resume):
-                raise ConfigError(f"{run_dir} already holds another run's checkpoint; resume that one, "
-                                  f"or choose another --run-dir for this one")
-        seed_everything(config.seed + ranks.rank)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        num_workers = config.num_workers or max(1, min(config.num_envs, cores // ranks.local_size))
-        start_method = None if config.start_method == "default" else config.start_method
-        # With several ranks a rollout always finishes, and the ranks agree after each update on
-        # whether any of them was asked to stop. (Under torchrun a terminal's Ctrl-C reaches each rank twice.)
-        stop = StopRequest(announce=ranks.is_main, same_within=1.0 if ranks.size > 1 else 0.0)
-        try:
-            with stop:
-                # The workers start before anything touches CUDA or starts a thread (TensorBoard's
-                # writer does), so that forking them is safe.
-                envs = RunWorkers(env_id, config.num_envs, num_workers, config.seed, game_options(config), start_method,
-                                  first_game=ranks.rank * config.num_envs, stop=stop if ranks.size == 1 else None,
-                                  make_env=game_maker(config, env_id, run_dir, checkpoint))
-                try:
-                    device = choose_device(config.device, ranks.local_rank)
-                    ranks.start(device)
-                    return train_with(config, env_id, checkpoint, envs, device, ranks, run_dir, num_workers, stop)
-                finally:
-                    ignore_interrupts()
-                    envs.close()
-                    ranks.close()
-        except WorkerError as error:  # while the workers start; `train_with` reports those of training
-            print(f"{error}\nthe workers did not start; no training was done", file=sys.stderr)
-            return 1
-        except Aborted as abort:
-            print(f"\n{aborted(abort.why, last_checkpoint(checkpoint_path, config.resume))}", file=sys.stderr)
-            return abort.status
-
-
-def train_with(config: RunConfig, env_id: str, checkpoint: dict | None, envs: RunWorkers, device: torch.device,
-               ranks: Ranks, run_dir: Path, num_workers: int, stop: StopRequest) -> int:
-    """The run of `train`, once the games and the device are ready.
-
-    `vpg_continuous.py` has a near copy, the same text but for the words of each script (games and
-    their scores here, envs and their returns there) and for what is this script's own: the first
-    line it prints names the torso's precision.
-    """
     from torch.utils.tensorboard import SummaryWriter
 
-    # The trainer that runs: Part 3's `RunTrainer` in one process, Part 4's `DataParallelRunTrainer` on each rank.
-    if ranks.size == 1:
-        trainer = RunTrainer(config, envs, device)
-    else:
-        trainer = DataParallelRunTrainer(config, envs, device, ranks)
-    if checkpoint is not None:
-        restore_checkpoint(trainer, checkpoint, config.resume, ranks)
+    ranks = Ranks.from_environment()
+    if checkpoint is not None and checkpoint["ranks"] != ranks.size:
+        raise ConfigError(f"checkpoint {config.resume} was written by a run of {checkpoint['ranks']} rank(s); "
+                          f"resume it with as many, not {ranks.size}")
+    run_dir = Path(config.run_dir or (Path(config.resume).parent if checkpoint else default_run_dir(config, env_id)))
     checkpoint_path = run_dir / "checkpoint.pt"
-
-    def write_checkpoint() -> None:
-        state = checkpoint_state(trainer, env_id, ranks)  # every rank takes part: it gathers their random states
-        if ranks.is_main:
-            # The progress line's recent scores, so that a resumed run's line goes on from them.
-            try:
-                save_checkpoint({**state, "recent_scores": list(progress.scores)}, checkpoint_path)
-            except OSError as error:
-                if error.errno != errno.ENOSPC:
-                    raise
-                last = last_checkpoint(checkpoint_path, config.resume) or "none was written"
-                raise DiskFull(f"no space left on device while writing {checkpoint_path}; "
-                               f"the last checkpoint is {last}") from None
-
-    writer, progress, tracking = None, Progress(config.total_timesteps, trainer.global_step), None
-    videos = TrainingVideos(run_dir / "videos")
-    if checkpoint is not None:
-        progress.scores.extend(checkpoint.get("recent_scores", []))  # absent from older checkpoints
-    if ranks.is_main:
-        if config.track:  # before the writer, so that wandb sees its events
-            tracking = start_tracking(config, run_dir.name)
-        writer = SummaryWriter(str(run_dir))
-        if checkpoint is None:
-            writer.add_text("hyperparameters", hyperparameter_table(config, env_id))
-        across = f" on each of {ranks.size} ranks" if ranks.size > 1 else ""
-        print(f"{env_id}: training on {device} ({'bfloat16' if trainer.model.bf16 else 'float32'} torso), "
-              f"{config.num_envs} games in {num_workers} workers{across}; logs and checkpoints in {run_dir}",
-              file=sys.stderr)
-        if checkpoint is not None:
-            print(f"resumed at step {trainer.global_step:,} (update {trainer.update}) from {config.resume}",
-                  file=sys.stderr)
-
-    def seconds_so_far() -> dict[str, float]:
-        return {**envs.seconds, **trainer.seconds}
-
-    before = seconds_so_far()
-
-    def after_update(stats: dict[str, float]) -> None:
-        """Log the update, stop if asked, and write a checkpoint every `checkpoint_every` updates."""
-        finished_games = [game for games in ranks.gather(trainer.finished_games) for game in games]
-        if ranks.is_main:
-            # The rollout's time outside the workers' steps is inference (with the copies around it).
-            spent = {phase: seconds - before[phase] for phase, seconds in seconds_so_far().items()}
-            seconds = {"env": spent["env"], "inference": spent["sampling"] - spent["env"], "update": spent["update"]}
-            log_update(writer, trainer.global_step, stats, finished_games, progress, seconds)
-        if tracking is not None and config.capture_video:
-            videos.send(tracking)
-        before.update(seconds_so_far())
-        stopped_by = ranks.largest(stop.signal or 0, device)
-        if stopped_by:
-            raise Stopped(stopped_by)
-        if trainer.update % config.checkpoint_every == 0 and trainer.update < trainer.num_updates:
-            write_checkpoint()  # the last one, or the one after a stop, is written below
-
-    stopped_by = 0
-    stop.training = True  # from here a first signal asks for a stop with a checkpoint, rather than aborting
-    try:
+    signals = Signals(announce=ranks.is_main, same_within=1.0 if ranks.size > 1 else 0.0)
+    with run_dir_lock(run_dir) if ranks.is_main else contextlib.nullcontext(), signals, contextlib.ExitStack() as opened:
+        if ranks.is_main and checkpoint_path.exists() and not (checkpoint and checkpoint_path.samefile(config.resume)):
+            raise ConfigError(f"{run_dir} already holds another run's checkpoint; resume that one, or choose another "
+                              f"--run-dir for this one" if checkpoint else f"{run_dir} already holds a checkpoint; "
+                              f"resume it with --resume {checkpoint_path} or choose another --run-dir")
+        np.random.seed(config.seed + ranks.rank)
+        torch.manual_seed(config.seed + ranks.rank)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        num_workers = config.num_workers or max(1, min(config.num_envs, cores // ranks.local_size))
+        opened.callback(ranks.close)
+        trainer = writer = tracking = None
         try:
-            trainer.train(after_update)
-        except Stopped as stopped:
-            stopped_by = stopped.signal
-        write_checkpoint()
-        ignore_interrupts()
-        if not ranks.is_main:
-            return 128 + stopped_by if stopped_by else 0
-        progress.show(trainer.global_step, final=True)
-        if stopped_by:
-            print(f"stopped at update {trainer.update}; resume with --resume {checkpoint_path}", file=sys.stderr)
-            return 128 + stopped_by
-        print(f"done: {trainer.global_step:,} steps; checkpoint in {checkpoint_path}", file=sys.stderr)
-        return 0
-    # A worker fails while the games are stepped, before the update begins: the weights are whole,
-    # so a single process saves them before reporting. (With several ranks the others cannot join
-    # in writing it; torchrun stops them, and the last checkpoint stays.)
-    except WorkerError as error:
-        if ranks.size == 1:
+            # The workers start before anything touches CUDA or starts a thread (TensorBoard's
+            # writer does), so that forking them is safe.
+            envs = opened.enter_context(RunWorkers(
+                env_id, config.num_envs, num_workers, config.seed, game_options(config),
+                None if config.start_method == "default" else config.start_method, first_game=ranks.rank * config.num_envs,
+                signals=signals if ranks.size == 1 else None, make_env=game_maker(config, env_id, run_dir, checkpoint)))
+            device = choose_device(config.device, ranks.local_rank)
+            ranks.start(device)
+            # The trainer that runs: `RunTrainer` in one process, Part 4's `DataParallelRunTrainer` on each rank.
+            trainer = RunTrainer(config, envs, device) if ranks.size == 1 else DataParallelRunTrainer(config, envs, device, ranks)
+            if checkpoint is not None:
+                restore_checkpoint(trainer, checkpoint, config.resume, ranks)
+            progress = Progress(config.total_timesteps, trainer.global_step)
+            progress.scores.extend(checkpoint.get("recent_scores", []) if checkpoint else [])
+            if ranks.is_main:  # wandb first, so that it syncs the writer's events
+                tracking = opened.enter_context(start_tracking(config, run_dir.name)) if config.track else None
+                writer = opened.enter_context(SummaryWriter(str(run_dir)))
+                if checkpoint is None:
+                    writer.add_text("hyperparameters", hyperparameter_table(config, env_id))
+                print(f"{env_id}: training on {device} ({'bfloat16' if trainer.model.bf16 else 'float32'} torso), "
+                      f"{config.num_envs} games in {num_workers} workers{f' on each of {ranks.size} ranks' * (ranks.size > 1)}; "
+                      f"logs and checkpoints in {run_dir}" + (f"\nresumed at step {trainer.global_step:,} (update "
+                      f"{trainer.update}) from {config.resume}" if checkpoint else ""), file=sys.stderr)
+            opened.callback(setattr, signals, "closing", True)  # the first thing done on the way out: from then on, closing is not interrupted
+
+            def write_checkpoint() -> None:
+                state = checkpoint_state(trainer, env_id, ranks)  # every rank takes part: it gathers their random states
+                if ranks.is_main:  # with the progress line's recent scores, so that a resumed line goes on from them
+                    with signals.held():
+                        save_checkpoint({**state, "recent_scores": list(progress.scores)}, checkpoint_path)
+
+            before, sent_videos = {**envs.seconds, **trainer.seconds}, set()
+
+            def after_update(stats: dict[str, float]) -> None:
+                """Log the update, stop if asked, and write a checkpoint every `checkpoint_every` updates."""
+                finished_games = [game for games in ranks.gather(trainer.finished_games) for game in games]
+                spent = {phase: seconds - before[phase] for phase, seconds in {**envs.seconds, **trainer.seconds}.items()}
+                before.update({**envs.seconds, **trainer.seconds})
+                if ranks.is_main:  # the rollout's time outside the workers' steps is inference, with the copies around it
+                    log_update(writer, trainer.global_step, stats, finished_games, progress, {
+                        "env": spent["env"], "inference": spent["sampling"] - spent["env"], "update": spent["update"]})
+                if tracking is not None and config.capture_video:
+                    send_new_videos(tracking, run_dir / "videos", sent_videos)
+                if requested := ranks.largest(signals.requested or 0, device):
+                    raise Stopped(requested)
+                if trainer.update % config.checkpoint_every == 0 and trainer.update < trainer.num_updates:
+                    write_checkpoint()  # the last one, or the one after a stop, is written below
+
+            signals.training = True  # from here a first signal asks for a stop with a checkpoint, rather than aborting
+            try:
+                trainer.train(after_update)
+                stopped_by = 0
+            except Stopped as stopped:
+                stopped_by = stopped.signal
             write_checkpoint()
-            print(f"\n{error}\ncheckpoint of update {trainer.update} saved in {checkpoint_path}", file=sys.stderr)
-        else:
-            print(f"\nrank {ranks.rank}: {error}", file=sys.stderr)
-        return 1
-    except NonFiniteError as error:
-        last = last_checkpoint(checkpoint_path, config.resume)
-        print(f"\n{error}; " + (f"the last good checkpoint is {last}" if last else "no checkpoint was written"),
-              file=sys.stderr)
-        return 1
-    except RankFailure as error:
-        last = last_checkpoint(checkpoint_path, config.resume)
-        print(f"\n{error}; " + (f"the last checkpoint is {last}" if last else "no checkpoint was written"),
-              file=sys.stderr)
-        return 1
-    finally:
-        ignore_interrupts()
-        if writer is not None:
-            writer.close()
-        if tracking is not None:
-            tracking.finish()
+            signals.closing = True
+            if ranks.is_main:
+                progress.show(trainer.global_step, final=True)
+                print(f"stopped at update {trainer.update}; resume with --resume {checkpoint_path}" if stopped_by
+                      else f"done: {trainer.global_step:,} steps; checkpoint in {checkpoint_path}", file=sys.stderr)
+            return 128 + stopped_by if stopped_by else 0
+        except WorkerError as error:
+            if trainer is None:
+                print(f"{error}\nthe workers did not start; no training was done", file=sys.stderr)
+            elif ranks.size == 1:  # the weights are whole: the update had not begun
+                write_checkpoint()
+                print(f"\n{error}\ncheckpoint of update {trainer.update} saved in {checkpoint_path}", file=sys.stderr)
+            else:  # the other ranks cannot join in writing it: torchrun stops them, and the last checkpoint stays
+                print(f"\nrank {ranks.rank}: {error}", file=sys.stderr)
+            return 1
+        except (Aborted, NonFiniteError, RankFailure) as error:
+            signals.closing = True
+            last = last_checkpoint(checkpoint_path, config.resume)
+            if isinstance(error, Aborted):
+                print(f"\n{error.why}: no checkpoint written now; " + (f"the last one is {last}" if last else
+                                                                       "none was written"), file=sys.stderr)
+                return error.status
+            good = "good " if isinstance(error, NonFiniteError) else ""
+            print(f"\n{error}; " + (f"the last {good}checkpoint is {last}" if last else "no checkpoint was written"),
+                  file=sys.stderr)
+            return 1
 
 
 # ### Experiment tracking
@@ -2193,210 +1846,21 @@ def start_tracking(config, name: str, job_type: str = "train"):
                                save_code=True)
 
 
-def track_evaluation(config, returns: list[float], videos: list[Path]) -> None:
-    """Send an evaluation to Weights & Biases: each episode's return, its mean, and the videos."""
-    wandb = import_wandb()
-    tracking = start_tracking(config, f"eval-{Path(config.eval).parent.name}", job_type="eval")
-    try:
-        for episode, episode_return in enumerate(returns):
-            tracking.log({"eval/episodic_return": episode_return}, step=episode)
-        tracking.summary["eval/mean_return"] = float(np.mean(returns))
-        if videos:
-            tracking.log({"videos": [wandb.Video(str(path), format="mp4") for path in videos]})
-    finally:
-        tracking.finish()
+def send_new_videos(tracking, video_dir: Path, sent: set[Path]) -> None:
+    """Send each whole video of training to Weights & Biases once; those still under their hidden names wait."""
+    for path in sorted(video_dir.glob("train-*.mp4")):
+        if path not in sent:
+            tracking.log({"videos": import_wandb().Video(str(path), format="mp4")})
+            sent.add(path)
 
 
-# ### Evaluation and video
-#
-# Evaluation plays whole games, several at once in this process, with the policy sampling its
-# actions as in training, and reports the real score of each game (all lives, unclipped).
-
-
-class Video:
-    """An mp4 file of H.264 video, written one RGB frame at a time.
-
-    H.264 in yuv420p is the video that browsers, TensorBoard and Weights & Biases play (OpenCV's
-    mp4 writer makes MPEG-4 Part 2, which Chromium refuses). PyAV (`av`) carries the x264 encoder
-    in its wheel. yuv420p keeps the colour at half resolution, so both sides must be even: an odd
-    side is padded by repeating its last row or column. `+faststart` puts the file's index first,
-    so that a browser starts playing before the whole file has arrived.
-    """
-
-    def __init__(self, path: Path, fps: float):
-        import av  # imported here: only a run that records video needs it
-
-        self.path, self.make_frame = path, av.VideoFrame.from_ndarray
-        self.file = av.open(str(path), "w", options={"movflags": "+faststart"})
-        self.stream = self.file.add_stream("libx264", rate=fractions.Fraction(fps).limit_denominator(1001))
-        self.stream.pix_fmt = "yuv420p"
-        self.shape: tuple[int, int] | None = None
-
-    def write(self, frame: np.ndarray) -> None:
-        if self.shape is None:
-            self.shape = (frame.shape[0] + frame.shape[0] % 2, frame.shape[1] + frame.shape[1] % 2)
-            self.stream.height, self.stream.width = self.shape
-        padding = ((0, self.shape[0] - frame.shape[0]), (0, self.shape[1] - frame.shape[1]), (0, 0))
-        frame = np.pad(frame, padding, mode="edge") if padding[0][1] or padding[1][1] else frame
-        self.file.mux(self.stream.encode(self.make_frame(np.ascontiguousarray(frame), format="rgb24")))
-
-    def close(self) -> None:
-        """Encode the frames x264 still holds and finish the file; a second call does nothing."""
-        if self.file is not None:
-            if self.shape is not None:
-                self.file.mux(self.stream.encode())
-            self.file.close()
-            self.file = None
-
-
-def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
-    """Play `eval_episodes` games with the checkpoint's policy; their scores."""
-    device = choose_device(config.device)
-    seeds = game_seeds(config.seed + 1_000_003, config.eval_episodes)  # games unlike the training ones
-    games = [make_env(env_id, seed, game_options(config)) for seed in seeds]
-    model = make_model(games[0].obs.shape, games[0].n_actions)
-    model = TunedActorCritic(model, use_bf16(config.precision, device)).to(device)
-    restore_model(model, checkpoint, config.eval)
-    model.eval()
-    torch.manual_seed(config.seed)
-    videos = []
-    if config.capture_video:
-        video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
-        video_dir.mkdir(parents=True, exist_ok=True)
-        for index in range(len(games)):
-            # 60 frames a second divided by the frame skip: the video plays in real time.
-            videos.append(Video(video_dir / f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4",
-                                60 / config.frame_skip))
-    scores = [0.0] * len(games)
-    playing = list(range(len(games)))
-    for game in games:
-        game.reset()
-    with torch.inference_mode():
-        while playing:
-            obs = torch.from_numpy(np.stack([games[i].obs for i in playing])).to(device)
-            actions = Categorical(logits=model(obs)[0], validate_args=False).sample().tolist()
-            still_playing = []
-            for i, action in zip(playing, actions):
-                step = games[i].step(action)
-                if videos:
-                    videos[i].write(video_frame(games[i]))
-                if step.game_over:
-                    scores[i] = step.score
-                    if videos:
-                        videos[i].close()
-                else:
-                    still_playing.append(i)
-            playing = still_playing
-    if videos:
-        print(f"videos in {video_dir}", file=sys.stderr)
-    if config.track:
-        track_evaluation(config, scores, [video.path for video in videos])
-    return scores
-
-
-# ### Videos while training
-#
-# With `--capture-video`, a run records some whole games of its first game slot as it trains, as
-# CleanRL does: games 0, 1, 8, 27, ... (the cubes) up to 1,000, then every 1,000th (gymnasium's
-# `capped_cubic_video_schedule`), so the early games that change fastest are seen, and a long run
-# leaves a few dozen videos rather than thousands. The game is recorded where it is played, in its
-# worker: `RecordingMaker` stands in for `make_env` and wraps that one game in a `RecordedGame`. A
-# video is written under a hidden name and renamed when its game ends, so the main process sees only
-# whole videos, and sends each new one to Weights & Biases with `--track`.
-
-
-def records_game(index: int) -> bool:
-    """Whether game `index` (from 0) of the recorded slot is recorded: the cubes below 1,000, then every 1,000th."""
-    if index < 1000:
-        root = round(index ** (1 / 3))
-        return root ** 3 == index
-    return index % 1000 == 0
-
-
-def video_frame(game: Game) -> np.ndarray:
-    """The game's screen in colour at twice its size (420 x 320), for a video."""
-    return cv2.resize(game.render(), None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST)
-
-
-class RecordedGame:
-    """A game (as `make_env` makes it) that writes the games `records_game` picks to
-    `<video_dir>/<prefix>-gameNNNN.mp4`."""
-
-    def __init__(self, game: Game, video_dir: Path, prefix: str, fps: float):
-        self.game, self.video_dir, self.prefix, self.fps = game, video_dir, prefix, fps
-        self.obs, self.n_actions = game.obs, game.n_actions
-        self.games = 0
-        self.video: Video | None = None
-
-    def reset(self) -> np.ndarray:
-        obs = self.game.reset()
-        if records_game(self.games):
-            self.video_dir.mkdir(parents=True, exist_ok=True)
-            self.name = f"{self.prefix}-game{self.games:04d}.mp4"
-            self.video = Video(self.video_dir / f".{self.name}", self.fps)
-            self.video.write(video_frame(self.game))
-        self.games += 1
-        return obs
-
-    def step(self, action: int) -> Transition:
-        step = self.game.step(action)
-        if self.video is not None:
-            self.video.write(video_frame(self.game))
-            if step.game_over:
-                self.video.close()
-                os.replace(self.video.path, self.video_dir / self.name)
-                self.video = None
-        return step
-
-    def render(self) -> np.ndarray:
-        return self.game.render()
-
-
-@dataclass
-class RecordingMaker:
-    """`make_env` for the workers of a recorded run: the game whose seed is `seed` (the run's first) is
-    a `RecordedGame`."""
-
-    seed: int
-    video_dir: Path
-    prefix: str
-    fps: float
-    make_env: typing.Callable = make_env
-
-    def __call__(self, env_id: str, seed: int, options: dict, obs: np.ndarray | None = None):
-        game = self.make_env(env_id, seed, options, obs=obs)
-        return RecordedGame(game, self.video_dir, self.prefix, self.fps) if int(seed) == self.seed else game
-
-
-def game_maker(config: RunConfig, env_id: str, run_dir: Path, checkpoint: dict | None) -> typing.Callable:
-    """What the workers make their games with: `make_env`, or with `--capture-video` a `RecordingMaker`
-    for the run's first game (the first of rank 0, whose seed is the first of `game_seeds`). The
-    videos' names hold the update their stretch of training started at, so a resumed run adds its own."""
-    if not config.capture_video:
-        return make_env
-    first_update = checkpoint["update"] if checkpoint is not None else 0
-    return RecordingMaker(int(game_seeds(config.seed, 1)[0]), run_dir / "videos",
-                          f"train-{gym.spec(env_id).name}-from-update{first_update}", 60 / config.frame_skip)
-
-
-class TrainingVideos:
-    """The main process's side: each whole video of training, sent once to Weights & Biases."""
-
-    def __init__(self, video_dir: Path):
-        self.video_dir, self.sent = video_dir, set()
-
-    def send(self, tracking) -> None:
-        for path in sorted(self.video_dir.glob("train-*.mp4")):
-            if path not in self.sent:
-                tracking.log({"videos": import_wandb().Video(str(path), format="mp4")})
-                self.sent.add(path)
-
-
-# ### A trained policy in Python
+# ### A trained policy, and its evaluation
 #
 # `load_policy` hands a checkpoint's agent to a program of your own: a notebook that watches it
 # play, a study of what its network attends to, a fork's evaluation. It carries the preprocessing
-# the agent learned with, so what it acts on is what it was trained on.
+# the agent learned with, so what it acts on is what it was trained on. `--eval` plays whole games
+# with it, several at once in this process, sampling its actions as in training, and reports the
+# real score of each game (all lives, unclipped).
 
 
 class Policy:
@@ -2429,18 +1893,157 @@ class Policy:
         return int(actions[0]) if one else actions
 
 
-def load_policy(path: str | Path, device: str = "cpu") -> Policy:
-    """The policy in a `checkpoint.pt` of this script, on `device`, ready to act (see `Policy`).
+def load_policy(path: str | Path, device: str | torch.device = "cpu", precision: str = "fp32",
+                checkpoint: dict | None = None) -> Policy:
+    """The policy in a `checkpoint.pt` of this script, on `device`, ready to act (see `Policy`); its
+    torso in `precision` (as `--precision` says). `checkpoint` is the file's content, if it was read already.
 
     A path that is not such a checkpoint, or holds a diverged network, is a `ConfigError`.
     """
-    checkpoint = load_checkpoint(str(path))
+    checkpoint = checkpoint or load_checkpoint(str(path))
     config = Config(**{field.name: checkpoint["config"][field.name] for field in dataclasses.fields(Config)})
-    env_id = resolve_env_id(config.env)
+    env_id, device = resolve_env_id(config.env), torch.device(device)
     probe = make_env(env_id, 0, game_options(config))
-    model = make_model(probe.obs.shape, probe.n_actions)
+    model = TunedActorCritic(make_model(probe.obs.shape, probe.n_actions), use_bf16(precision, device))
     restore_model(model, checkpoint, str(path))
-    return Policy(model.to(device).eval(), config, env_id, tuple(probe.obs.shape), torch.device(device))
+    return Policy(model.to(device).eval(), config, env_id, tuple(probe.obs.shape), device)
+
+
+def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
+    """Play `eval_episodes` games with the checkpoint's policy; their scores."""
+    policy = load_policy(config.eval, choose_device(config.device), config.precision, checkpoint)
+    games = [make_env(env_id, seed, game_options(config)) for seed in game_seeds(config.seed + 1_000_003,
+                                                                                 config.eval_episodes)]
+    torch.manual_seed(config.seed)  # and games unlike the training ones, above
+    video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
+    # 60 frames a second divided by the frame skip: the video plays in real time.
+    videos = [Video(video_dir / f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4", 60 / config.frame_skip)
+              for index in range(len(games))] if config.capture_video else []
+    scores: dict[int, float] = {}
+    for game in games:
+        game.reset()
+    while len(scores) < len(games):
+        playing = [index for index in range(len(games)) if index not in scores]
+        for index, action in zip(playing, policy.act(np.stack([games[index].obs for index in playing]))):
+            step = games[index].step(int(action))
+            if videos:
+                videos[index].write(video_frame(games[index]))
+            if step.game_over:
+                scores[index] = step.score
+                if videos:
+                    videos[index].close()
+    if videos:
+        print(f"videos in {video_dir}", file=sys.stderr)
+    scores = [scores[index] for index in range(len(games))]
+    if config.track:  # each game's score, their mean, and the videos
+        with start_tracking(config, f"eval-{Path(config.eval).parent.name}", job_type="eval") as tracking:
+            for index, score in enumerate(scores):
+                tracking.log({"eval/episodic_return": score}, step=index)
+            tracking.summary["eval/mean_return"] = float(np.mean(scores))
+            tracking.log({"videos": [import_wandb().Video(str(video.path), format="mp4") for video in videos]})
+    return scores
+
+
+# ### Videos
+#
+# With `--capture-video`, a run records some whole games of its first game slot as it trains, as
+# CleanRL does: games 0, 1, 8, 27, ... (the cubes) up to 1,000, then every 1,000th (gymnasium's
+# `capped_cubic_video_schedule`), so the early games that change fastest are seen, and a long run
+# leaves a few dozen videos rather than thousands. The game is recorded where it is played, in its
+# worker: `make_recorded_env` stands in for `make_env` and wraps that one game in a `RecordedGame`. A
+# video is written under a hidden name and renamed when its game ends, so the main process sees only
+# whole videos, and sends each new one to Weights & Biases with `--track`.
+
+
+class Video:
+    """An mp4 file of H.264 video, written one RGB frame at a time.
+
+    H.264 in yuv420p is the video that browsers, TensorBoard and Weights & Biases play (OpenCV's
+    mp4 writer makes MPEG-4 Part 2, which Chromium refuses). PyAV (`av`) carries the x264 encoder
+    in its wheel. yuv420p keeps the colour at half resolution, so both sides must be even: an odd
+    side is padded by repeating its last row or column. `+faststart` puts the file's index first,
+    so that a browser starts playing before the whole file has arrived. The directory is made if need be.
+    """
+
+    def __init__(self, path: Path, fps: float):
+        import av  # imported here: only a run that records video needs it
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.make_frame = path, av.VideoFrame.from_ndarray
+        self.file = av.open(str(path), "w", options={"movflags": "+faststart"})
+        self.stream = self.file.add_stream("libx264", rate=fractions.Fraction(fps).limit_denominator(1001))
+        self.stream.pix_fmt, self.shape = "yuv420p", None
+
+    def write(self, frame: np.ndarray) -> None:
+        if self.shape is None:  # the first frame sets the size, each side rounded up to an even number
+            self.shape = self.stream.height, self.stream.width = frame.shape[0] + frame.shape[0] % 2, frame.shape[1] + frame.shape[1] % 2
+        frame = np.pad(frame, ((0, self.shape[0] - frame.shape[0]), (0, self.shape[1] - frame.shape[1]), (0, 0)), mode="edge")
+        self.file.mux(self.stream.encode(self.make_frame(frame, format="rgb24")))
+
+    def close(self) -> None:
+        """Encode the frames x264 still holds and finish the file; a second call does nothing."""
+        if self.file is not None:
+            if self.shape is not None:
+                self.file.mux(self.stream.encode())
+            self.file.close()
+            self.file = None
+
+
+def records_game(index: int) -> bool:
+    """Whether game `index` (from 0) of the recorded slot is recorded: the cubes below 1,000, then every 1,000th."""
+    return round(index ** (1 / 3)) ** 3 == index if index < 1000 else index % 1000 == 0
+
+
+def video_frame(game: Game) -> np.ndarray:
+    """The game's screen in colour at twice its size (420 x 320), for a video."""
+    return cv2.resize(game.render(), None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST)
+
+
+class RecordedGame:
+    """A game (as `make_env` makes it) that writes the games `records_game` picks to
+    `<video_dir>/<prefix>-gameNNNN.mp4`."""
+
+    def __init__(self, game: Game, video_dir: Path, prefix: str, fps: float):
+        self.game, self.video_dir, self.prefix, self.fps = game, video_dir, prefix, fps
+        self.obs, self.n_actions, self.render = game.obs, game.n_actions, game.render
+        self.games, self.video = 0, None
+
+    def reset(self) -> np.ndarray:
+        obs = self.game.reset()
+        if records_game(self.games):
+            self.name = f"{self.prefix}-game{self.games:04d}.mp4"
+            self.video = Video(self.video_dir / f".{self.name}", self.fps)
+            self.video.write(video_frame(self.game))
+        self.games += 1
+        return obs
+
+    def step(self, action: int) -> Transition:
+        step = self.game.step(action)
+        if self.video is not None:
+            self.video.write(video_frame(self.game))
+            if step.game_over:
+                self.video.close()
+                os.replace(self.video.path, self.video_dir / self.name)
+                self.video = None
+        return step
+
+
+def make_recorded_env(env_id: str, seed: int, options: dict, obs: np.ndarray | None = None, *, recorded_seed: int,
+                      video_dir: Path, prefix: str, fps: float) -> Game | RecordedGame:
+    """`make_env` for the workers of a recorded run: the game whose seed is `recorded_seed` is a `RecordedGame`."""
+    game = make_env(env_id, seed, options, obs=obs)
+    return RecordedGame(game, video_dir, prefix, fps) if int(seed) == recorded_seed else game
+
+
+def game_maker(config: RunConfig, env_id: str, run_dir: Path, checkpoint: dict | None) -> typing.Callable:
+    """What the workers make their games with: `make_env`, or with `--capture-video` `make_recorded_env`
+    for the run's first game (the first of rank 0, whose seed is the first of `game_seeds`). The
+    videos' names hold the update their stretch of training started at, so a resumed run adds its own."""
+    if not config.capture_video:
+        return make_env
+    return functools.partial(make_recorded_env, recorded_seed=int(game_seeds(config.seed, 1)[0]),
+                             video_dir=run_dir / "videos", fps=60 / config.frame_skip,
+                             prefix=f"train-{gym.spec(env_id).name}-from-update{checkpoint['update'] if checkpoint else 0}")
 
 
 # ### main
@@ -2449,17 +2052,6 @@ def load_policy(path: str | Path, device: str = "cpu") -> Policy:
 def main(argv: list[str] | None = None) -> int:
     """Do what the command line asks: evaluate a checkpoint, or train, afresh or resumed. A mistake
     in the input is one line on stderr and exit status 2; the other statuses are `train`'s."""
-    # A run ignores Ctrl-C while it closes (`ignore_interrupts`); whoever called `main` gets the
-    # handlers it had back, so that a notebook or a test that runs it in-process can still be interrupted.
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return _main(argv)
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-
-
-def _main(argv: list[str] | None) -> int:
     prog = "ppo_atari.py"
     try:
         config, checkpoint = parse_config(argv)
@@ -2469,12 +2061,12 @@ def _main(argv: list[str] | None) -> int:
         if checkpoint is not None and checkpoint["game"] != game_name(env_id):
             raise ConfigError(f"checkpoint {config.resume or config.eval} was trained on {checkpoint['game']}, "
                               f"not {game_name(env_id)}")
-        if config.eval is not None:
-            scores = evaluate(config, env_id, checkpoint)
-            print(f"{env_id}: {len(scores)} games, score {np.mean(scores):.1f} ± {np.std(scores):.1f} "
-                  f"(min {min(scores):g}, max {max(scores):g})")
-            return 0
-        return train(config, env_id, checkpoint)
+        if config.eval is None:
+            return train(config, env_id, checkpoint)
+        scores = evaluate(config, env_id, checkpoint)
+        print(f"{env_id}: {len(scores)} games, score {np.mean(scores):.1f} ± {np.std(scores):.1f} "
+              f"(min {min(scores):g}, max {max(scores):g})")
+        return 0
     except ConfigError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
@@ -2690,14 +2282,28 @@ class DataParallelTrainer(Trainer):
 class DataParallelRunTrainer(DataParallelTrainer, RunTrainer):
     """What each rank of a real run trains with: the ranks of this part on Part 3's `RunTrainer`.
 
-    Its methods are looked up in this order: `DataParallelTrainer`, `RunTrainer`, `TunedTrainer`,
-    Part 1's `Trainer`. So the ranks' means of what an update measured are taken after `RunTrainer`
-    has timed the update and checked its weights, which are the same on every rank: all of them
-    undo a diverged update together.
+    Its methods are looked up in this order: `DataParallelTrainer`, `RunTrainer`, Part 1's
+    `Trainer`. So the ranks' means of what an update measured are taken after `RunTrainer` has
+    timed the update; a diverged update is refused on every rank alike, since their gradients and
+    weights are the same.
     """
 
 
 if __name__ == "__main__":
+    # Ctrl-C is Python's KeyboardInterrupt until the run is over (the run's `Signals` decide in
+    # between), then nothing: a late Ctrl-C could only turn the exit into a traceback. After the run
+    # a Python function drops it, then `SIG_IGN`, which the interpreter's shutdown keeps (at once,
+    # a signal on its way would be reported as a race).
+    run_over = False
+
+    def interrupt_until_the_run_is_over(signum: int, frame: object) -> None:
+        if not run_over:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt_until_the_run_is_over)
     status = main()
-    ignore_interrupts(for_good=True)  # the run has ended: a Ctrl-C now could only turn it into a traceback at exit
+    run_over = True
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt_until_the_run_is_over)
+        signal.signal(sig, signal.SIG_IGN)
     exit_process(status, ranks=int(os.environ.get("WORLD_SIZE", "1")))

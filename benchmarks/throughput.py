@@ -9,14 +9,16 @@
     the speed of its workers alone (the same `Workers`, stepped with random actions just before),
     which training can at best reach. The time of an iteration is split into waiting for the games,
     inference (choosing actions and values, and storing the rollout) and the update, for each
-    precision and each way of sampling asked for: `serial` is Part 1's turns, `double-buffered` the
-    two halves in opposite phase (where the games step while the network chooses, the wait is the
-    part of stepping that inference did not hide). Part 1's code holds no timer: Part 3's
-    `RunWorkers` and `RunTrainer` time its methods, as in a run.
+    precision asked for. Part 1's code holds no timer: Part 3's `RunWorkers` and `RunTrainer` time
+    its methods, as in a run. Beside the speed, the JSON holds the ATen calls a step of the rollout
+    makes (counted with `TorchDispatchMode` in a rollout of its own, untimed). `--baseline FILE`
+    measures another copy of `ppo_atari.py` (an earlier commit's, say) in the same run, the two
+    taking turns, so that a change is measured side by side on one machine.
 
     python benchmarks/throughput.py                   # both parts, Breakout, 8 and 32 games
-    python benchmarks/throughput.py --part train --device cuda --precision fp32
-    python benchmarks/throughput.py --part train --sampling both   # Part 1's turns against double buffering
+    python benchmarks/throughput.py --part train --device cuda --precision fp32 --num-envs 8 32 --rounds 3
+    git show 30d4d64:ppo_atari.py > /tmp/before.py
+    python benchmarks/throughput.py --part train --precision auto --rounds 3 --baseline /tmp/before.py
 
 Timings are never asserted in tests; this script is where they are measured.
 """
@@ -24,6 +26,7 @@ Timings are never asserted in tests; this script is where they are measured.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -110,19 +113,48 @@ def workers_alone(env_id: str, num_envs: int, num_workers: int, steps: int) -> f
         return time_steps(envs.step, num_envs, envs.n_actions, steps, rng)
 
 
-def train_throughput(env_id: str, num_envs: int, num_workers: int, device: torch.device, precision: str,
-                     iterations: int, warmup: int, sampling: str = "double-buffered", cuda_graph: bool = False) -> dict:
-    """Agent steps per second of the trainer a run uses (Part 3's `RunTrainer`), sampling as
-    `sampling` asks, and the time of each iteration split into its phases, as a run times them
-    (`RunWorkers` and `RunTrainer`): waiting for the games (the workers' `step`, or `step_wait` of
-    each half), sampling (`collect_rollout`, of which the rest is inference and storing the
-    rollout) and the update (`update_policy`)."""
-    config = ppo_atari.RunConfig(env=env_id, num_envs=num_envs, precision=precision)
+def load_script(path: Path):
+    """A copy of ppo_atari.py as a module of its own, so that two copies can be measured in one run."""
+    spec = importlib.util.spec_from_file_location(f"measured_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look themselves up here
+    spec.loader.exec_module(module)
+    return module
+
+
+def aten_calls_per_step(script, env_id: str, num_envs: int, num_workers: int, device: torch.device,
+                        precision: str) -> float:
+    """The ATen calls of one rollout of the trainer a run uses, per step (the first rollout, which
+    resets the games and may capture a CUDA graph, is not counted)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    config = script.RunConfig(env=env_id, num_envs=num_envs, precision=precision)
+    with script.RunWorkers(env_id, num_envs, num_workers, seed=1, game_options=script.game_options(config)) as envs:
+        trainer = script.RunTrainer(config, envs, device)
+        trainer.collect_rollout()
+        with Count():
+            trainer.collect_rollout()
+    return Count.calls / config.num_steps
+
+
+def train_throughput(script, env_id: str, num_envs: int, num_workers: int, device: torch.device, precision: str,
+                     iterations: int, warmup: int, cuda_graph: bool = True) -> dict:
+    """Agent steps per second of the trainer a run uses (Part 3's `RunTrainer` of `script`), and the
+    time of each iteration split into its phases, as a run times them (`RunWorkers` and `RunTrainer`):
+    waiting for the games (the workers' `step`), sampling (`collect_rollout`, of which the rest is
+    inference and storing the rollout) and the update (`update_policy`)."""
+    config = script.RunConfig(env=env_id, num_envs=num_envs, precision=precision)
     torch.manual_seed(1)
-    with ppo_atari.RunWorkers(env_id, num_envs, num_workers, seed=1,
-                              game_options=ppo_atari.game_options(config)) as envs:
-        trainer = ppo_atari.RunTrainer(config, envs, device)
-        trainer.double_buffered = sampling == "double-buffered"
+    with script.RunWorkers(env_id, num_envs, num_workers, seed=1,
+                           game_options=script.game_options(config)) as envs:
+        trainer = script.RunTrainer(config, envs, device)
         trainer.cuda_graph = cuda_graph
         per_iteration, splits = [], []
         for iteration in range(warmup + iterations):
@@ -138,10 +170,10 @@ def train_throughput(env_id: str, num_envs: int, num_workers: int, device: torch
                 splits.append({"env": spent["env"], "inference": spent["sampling"] - spent["env"],
                                "update": spent["update"]})
     median_seconds = statistics.median(per_iteration)
-    return {"device": str(device), "precision": "bf16" if trainer.model.bf16 else "fp32", "num_envs": num_envs,
-            "num_workers": num_workers, "sampling": sampling, "cuda_graph": cuda_graph,
-            "sps": config.batch_size / median_seconds,
-            "seconds_per_iteration": median_seconds,
+    return {"script": getattr(script, "__file__", "ppo_atari.py"), "device": str(device),
+            "precision": "bf16" if trainer.model.bf16 else "fp32", "num_envs": num_envs,
+            "num_workers": num_workers, "cuda_graph": cuda_graph and device.type == "cuda",
+            "sps": config.batch_size / median_seconds, "seconds_per_iteration": median_seconds,
             **{f"{k}_seconds": statistics.median(s[k] for s in splits) for k in splits[0]}}
 
 
@@ -157,12 +189,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed training iterations first")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "both"], default="both")
-    parser.add_argument("--sampling", choices=["double-buffered", "serial", "both"], default="double-buffered",
-                        help="how the trainer samples (`both`: each, one after the other, in this run)")
+    parser.add_argument("--baseline", type=Path, help="another copy of ppo_atari.py, measured in turns with this one")
     parser.add_argument("--rounds", type=int, default=1,
                         help="training runs of each kind, taking turns with each other and with the workers alone; "
                              "the medians are compared")
-    parser.add_argument("--cuda-graph", action="store_true", help="choose actions on CUDA with a captured CUDA graph")
+    parser.add_argument("--no-cuda-graph", action="store_true", help="choose actions on CUDA without the CUDA graph")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
@@ -182,29 +213,32 @@ def main() -> None:
         if args.part in ("train", "all"):
             device = ppo_atari.choose_device(args.device)
             precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
-            samplings = ["serial", "double-buffered"] if args.sampling == "both" else [args.sampling]
+            scripts = {"this": ppo_atari, **({"baseline": load_script(args.baseline)} if args.baseline else {})}
             print(f"(b) training, {env_id}, {num_envs} games x 128 steps, {num_workers} workers, {device}"
-                  f"{', CUDA graph' if args.cuda_graph else ''}, median of {args.iterations} iterations"
+                  f"{', no CUDA graph' if args.no_cuda_graph else ''}, median of {args.iterations} iterations"
                   f"{f', the middle run of {args.rounds} rounds' if args.rounds > 1 else ''}"
                   f"{' (the faster of the middle two: give an odd --rounds for a median)' if args.rounds % 2 == 0 else ''}")
             for precision in precisions:
                 # The kinds take turns, so that a noisy neighbour on a shared machine hits them alike.
-                alone, runs = [], {sampling: [] for sampling in samplings}
+                alone, runs = [], {name: [] for name in scripts}
                 for _ in range(args.rounds):
                     alone.append(workers_alone(env_id, num_envs, num_workers, args.steps))
-                    for sampling in samplings:
-                        runs[sampling].append(train_throughput(env_id, num_envs, num_workers, device, precision,
-                                                               args.iterations, args.warmup, sampling, args.cuda_graph))
+                    for name, script in scripts.items():
+                        runs[name].append(train_throughput(script, env_id, num_envs, num_workers, device, precision,
+                                                           args.iterations, args.warmup, not args.no_cuda_graph))
                 alone_sps = statistics.median(alone)
                 print(f"    workers alone, random actions: {alone_sps:6,.0f} SPS")
-                for sampling in samplings:
-                    run = sorted(runs[sampling], key=lambda run: run["sps"])[len(runs[sampling]) // 2]
+                for name, script in scripts.items():
+                    run = sorted(runs[name], key=lambda run: run["sps"])[len(runs[name]) // 2]
                     run.update(workers_alone_sps=alone_sps, of_workers_alone=run["sps"] / alone_sps,
-                               rounds_sps=[each["sps"] for each in runs[sampling]])
+                               rounds_sps=[each["sps"] for each in runs[name]],
+                               aten_calls_per_step=aten_calls_per_step(script, env_id, num_envs, num_workers, device,
+                                                                       precision))
                     results["train"].append(run)
                     rounds = f" (each round: {', '.join(f'{sps:,.0f}' for sps in run['rounds_sps'])})" if args.rounds > 1 else ""
-                    print(f"    {run['precision']}, {sampling:>15}: {run['sps']:6,.0f} SPS{rounds} "
-                          f"({run['of_workers_alone']:.2f} of the workers alone)"
+                    print(f"    {name}, {run['precision']}: {run['sps']:6,.0f} SPS{rounds} "
+                          f"({run['of_workers_alone']:.2f} of the workers alone, "
+                          f"{run['aten_calls_per_step']:.1f} ATen calls a step)"
                           f" | per iteration {run['seconds_per_iteration']:.3f} s"
                           f" = waiting for games {run['env_seconds']:.3f} + inference {run['inference_seconds']:.3f}"
                           f" + update {run['update_seconds']:.3f}")

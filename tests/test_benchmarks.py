@@ -10,21 +10,23 @@ from conftest import ROOT
 
 def test_throughput_benchmark_runs(tmp_path):
     out = tmp_path / "throughput.json"
+    baseline = tmp_path / "baseline.py"  # an earlier copy of the script, as a change is measured
+    baseline.write_text((ROOT / "ppo_atari.py").read_text())
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--steps", "30",
                              "--repeats", "1", "--iterations", "1", "--warmup", "0", "--precision", "fp32",
-                             "--num-envs", "4", "--sampling", "both", "--json", str(out)],
+                             "--num-envs", "4", "--baseline", str(baseline), "--json", str(out)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     results = json.loads(out.read_text())
     (env,) = results["env"]
     assert env["workers_sps"] > 0 and env["vector_env_sps"] > 0
-    # Both ways of sampling, each beside the workers alone, measured once in the same run.
-    assert [run["sampling"] for run in results["train"]] == ["serial", "double-buffered"]
+    # This script and the baseline, each beside the workers alone, measured once in the same run.
+    assert [run["script"] for run in results["train"]] == [str(ROOT / "ppo_atari.py"), str(baseline)]
     assert len({run["workers_alone_sps"] for run in results["train"]}) == 1
     for run in results["train"]:
         assert run["precision"] == "fp32" and run["num_envs"] == 4 and run["sps"] > 0 and run["workers_alone_sps"] > 0
         assert run["of_workers_alone"] == run["sps"] / run["workers_alone_sps"] and run["rounds_sps"] == [run["sps"]]
-        assert run["env_seconds"] > 0 and run["inference_seconds"] > 0
+        assert run["env_seconds"] > 0 and run["inference_seconds"] > 0 and run["aten_calls_per_step"] > 0
         assert run["env_seconds"] + run["inference_seconds"] + run["update_seconds"] <= run["seconds_per_iteration"] * 1.01
     assert "of the workers alone" in result.stdout
 

@@ -197,10 +197,10 @@ def test_a_second_signal_aborts_one_process_at_once():
     # One process hears a Ctrl-C once: a second one, however soon, aborts. Only the ranks of a
     # torchrun run, which hear each Ctrl-C twice, take two within a second as one.
     for same_within, aborts in [(0.0, True), (1.0, False)]:
-        with ppo_atari.StopRequest(announce=False, same_within=same_within) as stop:
-            stop.training = True
+        with ppo_atari.Signals(announce=False, same_within=same_within) as signals:
+            signals.training = True
             os.kill(os.getpid(), signal.SIGINT)
-            assert stop() and stop.signal == signal.SIGINT
+            assert signals.requested == signal.SIGINT
             try:
                 os.kill(os.getpid(), signal.SIGTERM)
                 aborted = False
@@ -212,12 +212,12 @@ def test_a_second_signal_aborts_one_process_at_once():
 def test_a_run_of_one_process_takes_no_second_signal_as_the_first(tmp_path, monkeypatch, capsys):
     chosen = []
 
-    class Recorded(ppo_atari.StopRequest):
+    class Recorded(ppo_atari.Signals):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             chosen.append(self.same_within)
 
-    monkeypatch.setattr(ppo_atari, "StopRequest", Recorded)
+    monkeypatch.setattr(ppo_atari, "Signals", Recorded)
     status = ppo_atari.main(["--total-timesteps", "128", "--num-envs", "2", "--num-steps", "64",
                              "--run-dir", str(tmp_path)])
     assert status == 0 and chosen == [0.0]

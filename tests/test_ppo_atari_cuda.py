@@ -1,7 +1,7 @@
 """ppo_atari.py on a CUDA GPU: the same update as on the CPU, `--device auto` picking the GPU,
-checkpoints that move between the two, the pinned staging of frames, double-buffered sampling with
-and without a CUDA graph, and a NaN there (Ctrl-C on the GPU is in `test_ppo_atari_cli.py`, beside
-the CPU's).
+checkpoints that move between the two, frames that reach the GPU from pinned memory, actions chosen
+by a CUDA graph, how often the host waits for the GPU in a rollout and in an update, and a NaN there
+(Ctrl-C on the GPU is in `test_ppo_atari_cli.py`, beside the CPU's).
 
 Every test here needs a GPU and is skipped, by name, on a machine without one (CI has none); the
 GPU runs of the other two scripts are beside their CPU tests, in their own `*_cli.py` files."""
@@ -41,49 +41,62 @@ def exact_float32(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 
 
-@pytest.mark.parametrize("kind", [ppo_atari.Trainer, ppo_atari.TunedTrainer])
+def host_syncs(call):
+    """What `call()` returns, and the messages of the waits of the host for the GPU that it made."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return result, [str(w.message) for w in caught if "synchronizing" in str(w.message)]
+
+
+@pytest.mark.parametrize("kind", [ppo_atari.Trainer, ppo_atari.RunTrainer])
 def test_an_update_on_cuda_is_the_update_on_the_cpu(kind, exact_float32):
-    # One rollout, sampled on the CPU, updated on both devices from the same weights. One minibatch
+    # One rollout, played on the host, updated on both devices from the same weights. One minibatch
     # of the whole batch makes the update independent of the order each device's generator draws.
     config = ppo_atari.RunConfig(**vars(small_config(num_minibatches=1, update_epochs=3)), precision="fp32")
     torch.manual_seed(0)
     cpu = kind(config, ScriptedEnv(truncate_at={1: 3}), torch.device("cpu"))
-    rollout = cpu.collect_rollout()
+    rollout = ppo_atari.Rollout(*(tensor.clone() for tensor in cpu.collect_rollout()))
     cuda = kind(config, ScriptedEnv(truncate_at={1: 3}), torch.device("cuda"))
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # kind's __init__ may set them
     cuda.model.load_state_dict(cpu.model.state_dict())
-    on_cuda = ppo_atari.Rollout(*(tensor.to("cuda") for tensor in rollout))
-    theirs, ours = cpu.update_policy(rollout), cuda.update_policy(on_cuda)
+    theirs, ours = cpu.update_policy(rollout), cuda.update_policy(rollout)
     for name in ["loss", "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance"]:
         assert ours[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), name
     for name, weights in cpu.model.state_dict().items():
         torch.testing.assert_close(cuda.model.state_dict()[name].cpu(), weights, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_frames_reach_the_gpu_through_pinned_memory_in_the_order_they_were_played():
-    # The copy from the pinned staging buffer is asynchronous, and the buffer is reused every step:
-    # each stored observation must still be the frames of its own step.
+def test_frames_reach_the_gpu_from_pinned_memory_in_the_order_they_were_played():
+    # The copy of each step's frames is asynchronous: each stored observation, and each value the
+    # network gave it, must still be those of its own step.
     config = ppo_atari.RunConfig(**vars(small_config(num_steps=32)), precision="fp32")
     torch.manual_seed(0)
-    trainer = ppo_atari.TunedTrainer(config, ScriptedEnv(), torch.device("cuda"))
-    assert trainer.staging.is_pinned() and trainer.obs.is_cuda
+    trainer = ppo_atari.RunTrainer(config, ScriptedEnv(), torch.device("cuda"))
     rollout = trainer.collect_rollout()
-    stored = rollout.obs.cpu()
+    assert all(tensor.is_pinned() and not tensor.is_cuda for tensor in rollout)
     for t in range(config.num_steps):
-        assert (stored[t] == t).all(), f"step {t}"
-    assert (trainer.next_obs.cpu() == config.num_steps).all()
+        assert (rollout.obs[t] == t).all(), f"step {t}"
+    assert (trainer.next_obs == config.num_steps).all()
+    with torch.inference_mode():
+        values = trainer.model(rollout.obs.flatten(0, 1).cuda())[1].view(config.num_steps, -1).cpu()
+    torch.testing.assert_close(rollout.values, values)
 
 
 def test_actions_chosen_by_a_cuda_graph_follow_the_frames_and_the_weights():
     config = ppo_atari.RunConfig(**vars(small_config(num_envs=4)), precision="fp32")
     torch.manual_seed(0)
-    trainer = ppo_atari.TunedTrainer(config, ScriptedEnv(num_envs=4), torch.device("cuda"))
-    trainer.cuda_graph = True
+    trainer = ppo_atari.RunTrainer(config, ScriptedEnv(num_envs=4), torch.device("cuda"))
+    assert trainer.cuda_graph  # on by default on CUDA
     frames = [torch.randint(0, 256, (4, 4, 84, 84), dtype=torch.uint8, device="cuda") for _ in range(2)]
 
     def check(obs):
         with torch.inference_mode():
-            actions, log_probs, values = (output.clone() for output in trainer.choose_actions(obs))
+            actions, log_probs, values = (output.clone() for output in trainer.sample_actions(obs))
             logits, expected_values = trainer.model(obs)
         torch.testing.assert_close(values, expected_values)
         torch.testing.assert_close(log_probs, torch.log_softmax(logits, -1).gather(1, actions[:, None]).squeeze(1))
@@ -91,7 +104,7 @@ def test_actions_chosen_by_a_cuda_graph_follow_the_frames_and_the_weights():
 
     first = [check(obs) for obs in frames]
     assert not torch.equal(first[0], first[1])  # the graph reads each call's frames, not the first ones
-    assert len(trainer.graphs) == 1  # captured once, for batches of 4
+    assert trainer.graph is not None
     with torch.no_grad():
         for parameter in trainer.model.value.parameters():
             parameter.add_(1.0)
@@ -101,38 +114,33 @@ def test_actions_chosen_by_a_cuda_graph_follow_the_frames_and_the_weights():
         probs = torch.softmax(trainer.model(frames[0])[0], -1)
         counts = torch.zeros_like(probs)
         for _ in range(2000):
-            actions = trainer.choose_actions(frames[0])[0]
+            actions = trainer.sample_actions(frames[0])[0]
             counts[torch.arange(4, device="cuda"), actions] += 1
     torch.testing.assert_close(counts / 2000, probs, atol=0.05, rtol=0)
 
 
 @pytest.mark.parametrize("cuda_graph", [False, True])
-def test_a_double_buffered_rollout_on_cuda_holds_the_frames_each_action_was_chosen_from(breakout_id, cuda_graph):
-    # The halves' frames reach the GPU through their rows of the pinned buffer, asynchronously:
-    # replaying the stored actions in games of this process must meet the stored frames, step by step.
-    # And the host waits for the GPU only to copy each half's actions back (and to store the
-    # rewards and episode ends once per rollout): counted in the second rollout, once any graph is captured.
+def test_a_rollout_on_cuda_waits_for_the_gpu_once_a_step_and_holds_the_frames_each_action_was_chosen_from(
+        breakout_id, cuda_graph):
+    # Replaying the stored actions in games of this process must meet the stored frames, step by
+    # step. The host waits for the GPU once a step, for the actions to come back, and twice a
+    # rollout, for the values after it (and those of truncated games): counted in the second
+    # rollout, once any graph is captured. An update waits once, at its end.
     num_envs, seed = 4, 3
     config = ppo_atari.RunConfig(env=breakout_id, num_envs=num_envs, num_steps=64, num_minibatches=2,
                                  total_timesteps=512, precision="fp32")
     torch.manual_seed(0)
     played = []
     with ppo_atari.Workers(breakout_id, num_envs, 2, seed, OPTIONS) as workers:
-        trainer = ppo_atari.TunedTrainer(config, workers, torch.device("cuda"))
+        trainer = ppo_atari.RunTrainer(config, workers, torch.device("cuda"))
         trainer.cuda_graph = cuda_graph
-        for index in range(2):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn" if index == 1 else "default")
-                try:
-                    rollout = trainer.collect_rollout()
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            played.append(ppo_atari.Rollout(*(tensor.cpu() for tensor in rollout)))
-            trainer.update_policy(rollout)
-    syncs = [w for w in caught if "synchronizing" in str(w.message)]
-    assert 2 * config.num_steps <= len(syncs) <= 2 * config.num_steps + 4, [str(w.message) for w in syncs[:3]]
-    assert trainer.double_buffered and hasattr(trainer, "graphs") == cuda_graph
+        for _ in range(2):
+            rollout, syncs = host_syncs(trainer.collect_rollout)
+            played.append(ppo_atari.Rollout(*(tensor.clone() for tensor in rollout)))
+            _, update_syncs = host_syncs(lambda: trainer.update_policy(rollout))
+            assert len(update_syncs) == 1, update_syncs
+    assert config.num_steps <= len(syncs) <= config.num_steps + 4, syncs[:3]
+    assert (trainer.graph is not None) == cuda_graph
     reference = InProcessGames(breakout_id, num_envs, seed)
     frames = reference.reset()
     for rollout in played:
@@ -146,8 +154,8 @@ def test_a_double_buffered_rollout_on_cuda_holds_the_frames_each_action_was_chos
 
 def test_a_nan_on_cuda_stops_the_update_and_names_it():
     torch.manual_seed(0)
-    a_nan_stops_the_update(ppo_atari.TunedTrainer(ppo_atari.RunConfig(**vars(small_config())), ScriptedEnv(),
-                                                  torch.device("cuda")))
+    a_nan_stops_the_update(ppo_atari.RunTrainer(ppo_atari.RunConfig(**vars(small_config())), ScriptedEnv(),
+                                                torch.device("cuda")))
 
 
 def test_auto_picks_the_gpu():

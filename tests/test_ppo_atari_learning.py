@@ -56,7 +56,7 @@ def train_on_task(advantage_sign: float, monkeypatch, device: str = "cpu") -> fl
     torch.manual_seed(0)
     config = ppo_atari.RunConfig(num_envs=8, num_steps=32, total_timesteps=4096, learning_rate=2.5e-4)
     envs = ShowsWhichActionPays(config.num_envs, n_actions=4, seed=0)
-    trainer = ppo_atari.TunedTrainer(config, envs, torch.device(device))  # as a run trains, bfloat16 where it is fast
+    trainer = ppo_atari.RunTrainer(config, envs, torch.device(device))  # as a run trains, bfloat16 where it is fast
     trainer.train()
     return float(np.mean(envs.rewards_seen[-512:]))
 

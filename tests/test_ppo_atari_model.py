@@ -223,17 +223,17 @@ def test_target_kl_is_checked_after_each_epoch_as_cleanrl_does():
     assert stats["epochs"] == 1 and stats["stopped_early"] == 1.0
 
 
-def test_the_tuned_trainer_takes_the_update_of_part_one():
-    # Part 3's hardware choices (frames stored channels-last, the network tuned, one thread while
-    # sampling) leave the algorithm as it is: from the same start, the same rollout and update.
+def test_the_trainer_of_a_run_takes_the_update_of_part_one():
+    # The choices of Parts 2 and 3 (the network channels-last, one thread while sampling, timers)
+    # leave the algorithm as it is: from the same start, the same rollout and update.
     config = ppo_atari.RunConfig(**vars(small_config()), precision="fp32")
     trainers = []
-    for kind in (ppo_atari.Trainer, ppo_atari.TunedTrainer):
+    for kind in (ppo_atari.Trainer, ppo_atari.RunTrainer):
         torch.manual_seed(0)
         trainer = kind(config, ScriptedEnv(truncate_at={1: 3}), torch.device("cpu"))
-        trainers.append((trainer, trainer.update_policy(trainer.collect_rollout())))
-    (plain, ours), (tuned, theirs) = trainers
-    assert tuned.obs.flatten(0, 1).is_contiguous(memory_format=torch.channels_last)
-    torch.testing.assert_close(tuned.actions, plain.actions, rtol=0, atol=0)
+        rollout = trainer.collect_rollout()
+        trainers.append((rollout.actions.clone(), trainer.update_policy(rollout)))
+    (plain_actions, ours), (run_actions, theirs) = trainers
+    assert torch.equal(run_actions, plain_actions)
     for name in ["loss", "policy_loss", "value_loss", "entropy"]:
         assert ours[name] == pytest.approx(theirs[name], rel=0, abs=1e-5 * max(1.0, abs(theirs[name]))), name

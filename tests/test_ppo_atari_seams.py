@@ -27,7 +27,7 @@ def test_a_gymnasium_task_with_pixels_trains_through_the_workers_and_the_trainer
         torch.manual_seed(0)
         trainer = ppo_atari.Trainer(config, envs, torch.device("cpu"))
         trainer.train(lambda stats: rewards.extend(score for _, score, _ in trainer.finished_games))
-    assert trainer.model.torso[0].in_channels == 3 and trainer.obs.shape == (32, 8, 3, 48, 48)
+    assert trainer.model.torso[0].in_channels == 3 and trainer.storage.obs.shape == (32, 8, 3, 48, 48)
     assert len(rewards) == 4096  # one-step episodes: every step ended one, with its reward as its score
     assert np.mean(rewards[:256]) < 0.5  # a random policy earns 1/3
     assert np.mean(rewards[-512:]) >= 0.9

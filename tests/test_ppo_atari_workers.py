@@ -66,44 +66,6 @@ def test_workers_match_in_process_games(breakout_id, start_method):
     assert ends > 0 and truncations > 0  # both kinds of game end were compared
 
 
-@pytest.mark.parametrize("num_workers", [1, 3])
-def test_halves_stepped_apart_match_in_process_games(breakout_id, num_workers):
-    # Two halves in opposite phase, as double-buffered sampling steps them: with one worker it holds
-    # both halves, with 3 the middle one holds games of each; every half-step must still be the
-    # step of the same games in this process, and name only its own finished games.
-    num_envs, seed = 6, 4
-    reference = InProcessGames(breakout_id, num_envs, seed)
-    halves = (slice(0, 3), slice(3, 6))
-    rng = np.random.default_rng(1)
-    ends = truncations = 0
-    with deadline(120), ppo_atari.Workers(breakout_id, num_envs, num_workers, seed, OPTIONS) as workers:
-        np.testing.assert_array_equal(workers.reset(), reference.reset())
-        actions = rng.integers(0, workers.n_actions, num_envs)
-        for games in halves:
-            workers.step_async(actions[games], games)
-        for _ in range(300):
-            expected = reference.step(actions)
-            actions = rng.integers(0, workers.n_actions, num_envs)
-            for games in halves:
-                step = workers.step_wait(games)
-                rows = expected[games]
-                np.testing.assert_array_equal(step.obs[games], np.stack([obs for _, _, obs in rows]))
-                np.testing.assert_array_equal(step.rewards[games], [s.reward for s, _, _ in rows])
-                np.testing.assert_array_equal(step.terminated[games], [s.terminated for s, _, _ in rows])
-                np.testing.assert_array_equal(step.truncated[games], [s.truncated for s, _, _ in rows])
-                for env, (s, final, _) in enumerate(rows, start=games.start):
-                    if s.truncated:
-                        np.testing.assert_array_equal(step.final_obs[env], final)
-                assert step.finished_games == [(env, s.score, s.length) for env, (s, _, _)
-                                               in enumerate(rows, start=games.start) if s.game_over]
-                ends += len(step.finished_games)
-                truncations += step.truncated[games].sum()
-                workers.step_async(actions[games], games)
-        for games in halves:
-            workers.step_wait(games)
-    assert ends > 0 and truncations > 0
-
-
 def test_an_exception_in_a_worker_arrives_with_its_traceback(breakout_id):
     with deadline(60), ppo_atari.Workers(breakout_id, 2, 2, 0, OPTIONS) as workers:
         workers.reset()
