@@ -55,8 +55,8 @@ def test_a_run_trains_with_run_trainer_and_a_nan_keeps_the_last_good_checkpoint(
     assert status == 1
     assert "nan at update 3" in stderr and "the last good checkpoint is" in stderr
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] == 2
-    # Parts 3 and 4 extend Part 1 by subclass: what a run adds (the stop between steps, the timing,
-    # the undoing of a diverged update) is in `RunWorkers` and `RunTrainer`, never a function
+    # Parts 2, 3 and 4 extend Part 1 by subclass: what a run adds (the stop between steps, the
+    # timing, the machine's choices) is in `RunWorkers` and `RunTrainer`, never a function
     # assigned to an object in place of its method, which a fork's rename would silently bypass.
     trainer = trainers[0]
     assert all(other is trainer for other in trainers)

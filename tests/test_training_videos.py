@@ -106,14 +106,14 @@ def test_each_whole_video_is_sent_to_wandb_once(script, tmp_path, monkeypatch):
             self.logged.append(data)
 
     monkeypatch.setattr(script, "import_wandb", lambda: FakeWandb)
-    videos, tracking = script.TrainingVideos(tmp_path), Tracking()
+    sent, tracking = set(), Tracking()
     (tmp_path / "train-a-game0000.mp4").write_bytes(b"0")
     (tmp_path / ".train-a-game0001.mp4").write_bytes(b"unfinished")
-    videos.send(tracking)
+    script.send_new_videos(tracking, tmp_path, sent)
     (tmp_path / "train-a-game0001.mp4").write_bytes(b"1")
     (tmp_path / "eval-a-game00.mp4").write_bytes(b"an evaluation's")
-    videos.send(tracking)
-    videos.send(tracking)
+    script.send_new_videos(tracking, tmp_path, sent)
+    script.send_new_videos(tracking, tmp_path, sent)
     assert tracking.logged == [{"videos": ("video", str(tmp_path / name), "mp4")}
                                for name in ["train-a-game0000.mp4", "train-a-game0001.mp4"]]
 

@@ -80,7 +80,7 @@ def test_training_leaves_tensorboard_tags_and_a_checkpoint(trained):
     # The observation statistics saw every observation of all 4 envs from both workers: the first
     # ones after reset, then one per step.
     assert checkpoint["obs_normalizer"]["count"] == 4 + 4096
-    assert checkpoint["reward_scaler"]["count"] == 1 + 4096  # the prior's one, then a return per step
+    assert checkpoint["reward_scaler"]["count"] == 4096  # a return per step (and the prior's, with --reward-prior-and-clip)
     assert not list(run_dir.glob("*.tmp"))
     assert "step 4,096/4,096" in result.stderr and "SPS" in result.stderr
 

@@ -80,82 +80,65 @@ def class_source(script: str, name: str) -> str:
     raise AssertionError(f"{script} has no class {name}")
 
 
-def test_the_three_scripts_decide_on_signals_with_one_stop_request():
-    # How a signal is heard and how a run aborts differ (ppo_jax.py's main thread sits in XLA, so a
-    # thread of its own hears them, `SignalThread`); what a signal does is decided by one text.
-    texts = {script: class_source(script, "StopRequest") for script in ["ppo_atari.py", "vpg_continuous.py", "ppo_jax.py"]}
-    assert len(set(texts.values())) == 1, "the StopRequest copies differ"
+SCRIPTS = pytest.mark.parametrize("module", [ppo_atari, vpg], ids=["ppo_atari", "vpg_continuous"])
 
 
-def stop_request_class():
-    """The shared `StopRequest`, taken from its source as every script has it, with aborts recorded."""
-    namespace = {"signal": signal, "sys": sys, "time": time}
-    exec("from __future__ import annotations\n" + class_source("ppo_jax.py", "StopRequest"), namespace)
-
-    class Recorded(namespace["StopRequest"]):
-        def abort(self, why, signum):
-            self.aborts.append((why, signum))
-
-    return Recorded
-
-
-def test_what_a_signal_does_in_each_phase_of_a_run():
-    stop = stop_request_class()(announce=False)
-    stop.aborts = []
-    stop.handle(signal.SIGINT)  # before training: nothing to save, abort at once
-    assert not stop() and stop.aborts == [("interrupted before training began", signal.SIGINT)]
-    stop.training, stop.aborts = True, []
-    stop.handle(signal.SIGTERM)  # the first in training: a request
-    assert stop() and stop.signal == signal.SIGTERM and stop.aborts == []
-    stop.handle(signal.SIGINT)  # a second, however soon, in one process: abort
-    assert stop.aborts == [("aborted by a second interrupt", signal.SIGINT)]
+@SCRIPTS
+def test_what_a_signal_does_in_each_phase_of_a_run(module):
+    signals = module.Signals(announce=False)
+    with pytest.raises(module.Aborted) as raised:
+        signals.handle(signal.SIGINT)  # before training: nothing to save, abort at once
+    assert raised.value.why == "interrupted before training began" and signals.requested is None
+    signals.training = True
+    signals.handle(signal.SIGTERM)  # the first in training: a request
+    assert signals.requested == signal.SIGTERM
+    with pytest.raises(module.Aborted) as raised:
+        signals.handle(signal.SIGINT)  # a second, however soon, in one process: abort
+    assert raised.value.why == "aborted by a second interrupt" and raised.value.status == 130
 
 
-def test_two_signals_at_once_are_one_request_among_ranks():
-    stop = stop_request_class()(announce=False, same_within=0.5)
-    stop.training, stop.aborts = True, []
-    stop.handle(signal.SIGINT)
-    stop.handle(signal.SIGINT)  # torchrun passes on the terminal's Ctrl-C: the same request
-    assert stop() and stop.aborts == []
+@SCRIPTS
+def test_signals_wait_while_a_checkpoint_is_written_and_are_dropped_while_closing(module):
+    signals = module.Signals(announce=False)
+    signals.training = True
+    with pytest.raises(module.Aborted):
+        with signals.held():
+            signals.handle(signal.SIGINT)
+            signals.handle(signal.SIGINT)
+            assert signals.requested is None  # held back: the block goes on to its end
+    assert signals.requested == signal.SIGINT  # then handled as they came: a request, and an abort
+    signals.closing = True
+    signals.handle(signal.SIGINT)  # while closing: dropped
+
+
+@SCRIPTS
+def test_two_signals_at_once_are_one_request_among_ranks(module):
+    signals = module.Signals(announce=False, same_within=0.5)
+    signals.training = True
+    signals.handle(signal.SIGINT)
+    signals.handle(signal.SIGINT)  # torchrun passes on the terminal's Ctrl-C: the same request
+    assert signals.requested == signal.SIGINT
     time.sleep(0.6)
-    stop.handle(signal.SIGINT)
-    assert stop.aborts == [("aborted by a second interrupt", signal.SIGINT)]
+    with pytest.raises(module.Aborted):
+        signals.handle(signal.SIGINT)
 
 
-@pytest.mark.parametrize("module", [ppo_atari, vpg], ids=["ppo_atari", "vpg_continuous"])
+@SCRIPTS
 def test_the_pytorch_scripts_abort_by_raising_in_the_main_thread(module):
     before = signal.getsignal(signal.SIGINT)  # Python's own, or SIG_IGN in a shell's background job
-    with module.StopRequest(announce=False) as stop:
+    with module.Signals(announce=False) as signals:
         with pytest.raises(module.Aborted) as raised:
             os.kill(os.getpid(), signal.SIGTERM)  # before training
         assert raised.value.status == 143 and raised.value.why == "interrupted before training began"
-        stop.training = True
+        signals.training = True
         os.kill(os.getpid(), signal.SIGINT)
-        assert stop() and stop.signal == signal.SIGINT
+        assert signals.requested == signal.SIGINT
         with pytest.raises(module.Aborted) as raised:
             os.kill(os.getpid(), signal.SIGINT)
         assert raised.value.status == 130 and raised.value.why == "aborted by a second interrupt"
+        signals.closing = True
+        os.kill(os.getpid(), signal.SIGINT)  # dropped by the same handler: no race with a change of handlers
     assert signal.getsignal(signal.SIGINT) is before
-
-
-@pytest.mark.parametrize("module", [ppo_atari, vpg], ids=["ppo_atari", "vpg_continuous"])
-def test_signals_while_closing_are_dropped_by_a_function_not_sig_ign(module, capfd):
-    # Under SIG_IGN, a Ctrl-C that arrives while the handler is being set reaches Python after it,
-    # and Python prints a traceback for it ("Signal 2 ignored due to race condition"), which the
-    # repeated Ctrl-C test met about once in many runs. A handler that does nothing drops it.
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        module.ignore_interrupts()
-        for sig in before:
-            assert signal.getsignal(sig) is module.ignore_signal
-            os.kill(os.getpid(), sig)
-        time.sleep(0.1)
-        module.ignore_interrupts(for_good=True)  # after `main`: SIG_IGN, which the interpreter's shutdown keeps
-        assert all(signal.getsignal(sig) is signal.SIG_IGN for sig in before)
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
-    assert capfd.readouterr().err == ""
 
 
 # Every definition that ppo_atari.py and vpg_continuous.py hold as the same text, listed once: a
@@ -166,10 +149,9 @@ SAME_TEXT = [
     # Part 2
     "WorkerError", "numpy_views",
     # Part 3: the command line, checkpoints and faults, logging, signals, the run, tracking, video
-    "RUN_OPTIONS", "ConfigError", "field_docs", "OneLineParser", "parse_config", "DiskFull", "save_checkpoint",
-    "signals_held", "last_checkpoint", "run_dir_lock", "format_duration", "default_run_dir", "timer", "StopRequest",
-    "Aborted", "Stopped", "aborted", "ignore_interrupts", "ignore_signal", "import_wandb",
-    "start_tracking", "track_evaluation", "Video", "TrainingVideos",
+    "RUN_OPTIONS", "ConfigError", "field_docs", "parse_int", "OneLineParser", "flag", "parse_config", "DiskFull", "save_checkpoint",
+    "last_checkpoint", "run_dir_lock", "format_duration", "default_run_dir", "timer", "Aborted", "Stopped", "Signals",
+    "import_wandb", "start_tracking", "send_new_videos", "Video",
     # Part 4
     "RankFailure", "exit_process",
 ]
@@ -179,32 +161,11 @@ SAME_TEXT = [
 # own words, and the few lines that are its own.
 SCRIPT_NAMES = [("ppo_atari.py", "vpg_continuous.py")]
 NEAR_COPIES = {
-    "RunTrainer": [("class RunTrainer(TunedTrainer):", "class RunTrainer(Trainer):")],
-    "parse_int": [],  # its docstring's example alone differs
-    # ppo_atari.py's own: double-buffered sampling steps the games by halves, which a run times and stops too.
-    "RunWorkers": [("\n\n    def step_async(self, actions: np.ndarray, games: slice) -> None:\n"
-                    "        self.refuse_if_stopped()\n        super().step_async(actions, games)\n\n"
-                    "    def step_wait(self, games: slice) -> VecStep:\n"
-                    "        with timer(self.seconds, \"env\"):\n            return super().step_wait(games)", "")],
+    "RunTrainer": [("class RunTrainer(FastSamplingTrainer):", "class RunTrainer(Trainer):"),
+                   ("\n    def build_model(self) -> nn.Module:\n        return TunedActorCritic(super().build_model(), "
+                    "use_bf16(self.config.precision, self.device))\n", "")],
+    "RunWorkers": [],
     "load_checkpoint": SCRIPT_NAMES,
-    "Progress": [("self.scores", "self.returns"), ("games)", "episodes)"),
-                 ("score {recent}", "return {recent}")],
-    "train_with": [
-        ("recent scores", "recent returns"),
-        ("recent_scores", "recent_returns"), ("progress.scores", "progress.returns"),
-        ("finished_games = [game for games in ranks.gather(trainer.finished_games) for game in games]",
-         "finished_episodes = [episode for episodes in ranks.gather(trainer.finished_episodes) for episode in episodes]"),
-        ("finished_games, progress", "finished_episodes, progress"), ("while the games are", "while the envs are"),
-        # vpg_continuous.py's own: its hardware choices, and the ranks in the table of hyperparameters.
-        ("SummaryWriter\n\n", "SummaryWriter\n\n    apply_hardware_choices(device)\n"),
-        ("hyperparameter_table(config, env_id)", "hyperparameter_table(config, env_id, ranks.size)"),
-        # ppo_atari.py's own: the first line names the precision of the torso.
-        ("""training on {device} ({'bfloat16' if trainer.model.bf16 else 'float32'} torso), "
-              f"{config.num_envs} games in {num_workers} workers{across}; logs and checkpoints in {run_dir}",
-              file=sys.stderr)""",
-         """training on {device}, {config.num_envs} envs in {num_workers} workers{across}; "
-              f"logs and checkpoints in {run_dir}", file=sys.stderr)"""),
-    ],
 }
 
 

@@ -22,7 +22,9 @@ SCRIPT = str(ROOT / "vpg_continuous.py")
 
 # Full-batch value fitting (num_minibatches=1), so that the update of each rank on its half is the
 # update of one process on the whole, whatever order each rank shuffles its batch in.
-CONFIG = dict(num_envs=2, num_steps=8, num_minibatches=1, value_epochs=2, total_timesteps=32 * 10)
+# With the reward scaler's prior, so that the pooled statistics show it counted once for all ranks.
+CONFIG = dict(num_envs=2, num_steps=8, num_minibatches=1, value_epochs=2, total_timesteps=32 * 10,
+              reward_prior_and_clip=True)
 UPDATES = 3
 STEPS = 1 + CONFIG["value_epochs"] * CONFIG["num_minibatches"]  # optimizer steps in an update: the policy's first
 
@@ -231,7 +233,7 @@ def test_torchrun_trains_on_two_ranks_and_resumes(tmp_path):
     assert checkpoint["ranks"] == 2 and checkpoint["update"] == 4 and checkpoint["global_step"] == 1024
     assert len(checkpoint["torch_rng"]) == 2 and not torch.equal(*checkpoint["torch_rng"])
     # The statistics of both ranks: 2 x 2 first observations and one per step; 1,024 returns.
-    assert checkpoint["obs_normalizer"]["count"] == 4 + 1024 and checkpoint["reward_scaler"]["count"] == 1 + 1024
+    assert checkpoint["obs_normalizer"]["count"] == 4 + 1024 and checkpoint["reward_scaler"]["count"] == 1024
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # rank 0 alone writes
     assert output.count("training on cpu, 2 envs in 1 workers on each of 2 ranks") == 1
     events = EventAccumulator(str(run_dir))

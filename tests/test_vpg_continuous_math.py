@@ -35,7 +35,7 @@ def test_samples_follow_the_policy():
     torch.manual_seed(0)
     mean = torch.tensor([[0.5, -2.0, 0.0]]).expand(200_000, 3)
     std = torch.tensor([[0.1, 1.0, 3.0]]).expand(200_000, 3)
-    samples = vpg.sample_actions(mean, std)
+    samples = vpg.gaussian_sample(mean, std)
     torch.testing.assert_close(samples.mean(0), mean[0], atol=0.02, rtol=0)
     torch.testing.assert_close(samples.std(0), std[0], atol=0.0, rtol=0.01)
 
@@ -52,7 +52,7 @@ def test_the_loss_ascends_the_policy_gradient_of_a_known_objective():
     n = 400_000
     mean, std = mu.expand(n, 1), sigma.expand(n, 1)
     with torch.no_grad():
-        actions = vpg.sample_actions(mean, std)
+        actions = vpg.gaussian_sample(mean, std)
         rewards = -(actions[:, 0] - 3.0) ** 2
         advantages = rewards - rewards.mean()
     log_probs = vpg.gaussian_log_prob(mean, std, actions)

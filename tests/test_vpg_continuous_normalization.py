@@ -109,8 +109,8 @@ def test_the_first_reward_of_one_env_is_not_blown_up(reward):
 def test_the_trainer_with_one_env_scales_its_first_rewards_by_the_spread_of_the_returns():
     # The scripted env pays 1 a step: the returns grow 1, 1.99, 2.97, ..., and each scaled reward is
     # 1 over their spread so far, with the prior: 1.15 at the first step (10,000 without the prior).
-    trainer = vpg.Trainer(vpg.Config(num_envs=1, num_steps=8, total_timesteps=8), ScriptedEnvs(num_envs=1),
-                          torch.device("cpu"))
+    trainer = vpg.Trainer(vpg.Config(num_envs=1, num_steps=8, total_timesteps=8, reward_prior_and_clip=True),
+                          ScriptedEnvs(num_envs=1), torch.device("cpu"))
     rewards = trainer.collect_rollout().rewards[:, 0].numpy()
     returns = np.array([sum(0.99 ** k for k in range(t + 1)) for t in range(8)])
     expected = [1 / np.sqrt(statistics_with_the_prior(returns[:t + 1])[1] + 1e-8) for t in range(8)]
@@ -165,7 +165,7 @@ def test_evaluation_uses_the_saved_statistics_frozen(variance, monkeypatch):
 
     monkeypatch.setattr(vpg.GaussianPolicy, "forward", recording_forward)
     eval_config = vpg.RunConfig(env="Pendulum-v1", eval="checkpoint.pt", eval_episodes=3, max_episode_steps=25)
-    returns = vpg.evaluate(eval_config, "Pendulum-v1", vpg.describe_env("Pendulum-v1"), checkpoint)
+    returns = vpg.evaluate(eval_config, "Pendulum-v1", checkpoint)
     assert len(returns) == 3 and all(r < 0 for r in returns)  # Pendulum's rewards are costs
     seen = torch.cat(inputs)
     assert len(seen) == 3 * 25

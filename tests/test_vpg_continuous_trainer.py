@@ -126,13 +126,14 @@ def test_an_update_takes_one_policy_step_and_fits_the_value_in_minibatches():
 def test_a_large_value_error_leaves_the_policy_step_unchanged():
     # The same trainer and rollout twice, once with the value network's output shifted by 300 after
     # the rollout, so that the advantages (from the rollout's values) are the same and only the
-    # value loss of the policy-gradient step grows. Each network's gradient is clipped on its own,
-    # so the policy must take the same step. (Measured under one clip of the joint norm: the
-    # policy's gradient shrank to 1/500 of its norm, and its step, after Adam, to 1/8.)
+    # value loss of the policy-gradient step grows. With `clip_each_network` each network's gradient
+    # is clipped on its own, so the policy must take the same step. (Under the default clip of the
+    # joint norm the policy's gradient shrank to 1/500 of its norm, and its step, after Adam, to 1/8.)
     policies, value_losses, value_gradients = [], [], []
     for shift in [0.0, 300.0]:
         torch.manual_seed(0)
-        trainer = vpg.Trainer(small_config(normalize_rewards=False), ScriptedEnvs(), torch.device("cpu"))
+        trainer = vpg.Trainer(small_config(normalize_rewards=False, clip_each_network=True), ScriptedEnvs(),
+                              torch.device("cpu"))
         rollout = trainer.collect_rollout()
         with torch.no_grad():
             trainer.value.head.bias += shift
@@ -182,7 +183,7 @@ def test_a_nan_stops_the_update_and_names_it():
     networks = {"policy": trainer.policy, "value": trainer.value}
     before = {(name, key): tensor.clone() for name, network in networks.items()
               for key, tensor in network.state_dict().items()}
-    with pytest.raises(vpg.NonFiniteError, match="update 2 \\(the policy-gradient step\\)"):
+    with pytest.raises(vpg.NonFiniteError, match="gradient became NaN or infinite in update 2; no step was taken"):
         trainer.update_policy(rollout)
     for (name, key), tensor in before.items():  # no step was taken
         torch.testing.assert_close(networks[name].state_dict()[key], tensor, equal_nan=True, rtol=0, atol=0)
@@ -203,7 +204,7 @@ def test_evaluation_samples_or_takes_the_mean_action(deterministic, monkeypatch)
     monkeypatch.setattr(vpg.Task, "step", recording_step)
     config = vpg.RunConfig(env="Pendulum-v1", eval="checkpoint.pt", eval_episodes=2, max_episode_steps=50,
                            eval_deterministic=deterministic)
-    vpg.evaluate(config, "Pendulum-v1", vpg.describe_env("Pendulum-v1"), checkpoint)
+    vpg.evaluate(config, "Pendulum-v1", checkpoint)
     assert len(sent) == 100 and all(-2.0 <= a <= 2.0 for a in sent)  # clipped to the bounds
     if deterministic:
         assert set(sent) == {2.0}  # the mean, clipped
