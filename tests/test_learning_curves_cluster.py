@@ -92,6 +92,7 @@ def stop_and_compare(tmp_path, cluster, stop_job):
     ends = sittings(run_dir)  # a sitting stopped short of the schedule, then one to its end
     assert second_job != first_job and len(ends) == 2 and 0 < ends[0] < ends[1] == SCHEDULE // 256 * 256
     assert errors.count("submitted as job") == 2
+    assert f"[stopped seed 1] running (job {first_job})" in errors and "[stopped seed 1] done at step" in errors
     assert f"[stopped seed 1] its job {first_job} stopped at step " in errors
     assert f": submitted as job {second_job} ({cluster}), from step {ends[0]:,}" in errors
     log = (run_dir / "learning_curves.log").read_text()
