@@ -288,6 +288,10 @@ def format_steps(steps: float) -> str:
 # ## Running a seed
 
 
+def run_dir_of(task: Task, seed: int, runs: Path) -> Path:
+    return runs / task.name / f"seed-{seed}"
+
+
 def checkpoint_of(run_dir: Path) -> Path | None:
     return next((run_dir / name for name in CHECKPOINT_NAMES if (run_dir / name).exists()), None)
 
@@ -441,7 +445,7 @@ def run_sitting(command: list[str], stop_at: int | None, log: Path, label: str,
 def train_seed(task: Task, seed: int, runs: Path, job: str | None = None) -> None:
     """Run one seed of a task to its budget, fresh or resumed; nothing when it is already there.
     `job`: the cluster, when this runs inside a cluster's job (see `run_sitting`)."""
-    run_dir = runs / task.name / f"seed-{seed}"
+    run_dir = run_dir_of(task, seed, runs)
     label = f"{task.name} seed {seed}"
     if run_dir.exists():
         record = read_record(run_dir, task.schedule)
@@ -582,7 +586,7 @@ def records_of(task: Task, runs: Path, seeds: typing.Iterable[int]) -> dict[str,
     of a ppo_jax.py run of several (their `agent-<i>/` directories; the run dir holds their mean)."""
     records = {}
     for seed in seeds:
-        run_dir = runs / task.name / f"seed-{seed}"
+        run_dir = run_dir_of(task, seed, runs)
         agents = sorted((path for path in run_dir.glob("agent-*") if path.is_dir()),
                         key=lambda path: int(path.name.split("-")[1]))
         if agents:
@@ -748,10 +752,6 @@ class RunState:
         return f"{self.task.name} seed {self.seed}"
 
 
-def run_dir_of(task: Task, seed: int, runs: Path) -> Path:
-    return runs / task.name / f"seed-{seed}"
-
-
 def jobs_folder(task: Task, runs: Path) -> Path:
     """submitit's folder for a task's jobs: their pickles, results and logs (`<job id>_0_log.err`)."""
     return runs / task.name / "jobs"
@@ -774,7 +774,7 @@ def live_jobs(records: list[dict]) -> dict[str, str]:
             raise RunError("runs were submitted to SLURM, but there is no squeue here: "
                            "run this on a machine of the cluster") from None
         if listing.returncode != 0:
-            raise RunError(f"squeue failed: {listing.stderr.strip().splitlines()[-1:]}")
+            raise RunError(f"squeue failed: {(listing.stderr.strip().splitlines() or ['no message'])[-1]}")
         for line in listing.stdout.splitlines():
             job_id, _, state = line.strip().partition(" ")
             if job_id in slurm_ids and state in LIVE_STATES:
@@ -795,11 +795,12 @@ def local_job_alive(job_id: str) -> bool:
     return state != "Z" and b"submitit" in command
 
 
-def job_result(task: Task, runs: Path, job_id: str) -> tuple[str, str] | None:
+def job_result(task: Task, runs: Path, record: dict) -> tuple[str, str] | None:
     """What submitit recorded at a job's end: `("success", what the job returned)` or `("error",
-    traceback)`; None for a job that was killed before it could record anything."""
-    path = jobs_folder(task, runs) / f"{job_id}_0_result.pkl"
-    if not path.exists():
+    traceback)`; None for a job that was killed before it could record anything. (A local job's id is
+    a process id, which an earlier job may have had: its result is older than this job.)"""
+    path = jobs_folder(task, runs) / f"{record['job_id']}_0_result.pkl"
+    if not path.exists() or path.stat().st_mtime < record.get("submitted_at", 0.0):
         return None
     with path.open("rb") as file:
         return pickle.load(file)
@@ -827,7 +828,7 @@ def run_state(task: Task, seed: int, runs: Path, live: dict[str, str]) -> RunSta
     if record is None:
         return RunState(task, seed, "new", step)
     log = run_dir / "learning_curves.log"
-    result = job_result(task, runs, record["job_id"])
+    result = job_result(task, runs, record)
     if result is not None and result[0] == "error":
         why = result[1].strip().splitlines()[-1]
         return RunState(task, seed, "failed", step, record["job_id"], [why, *last_lines(log)])
@@ -874,8 +875,9 @@ def submit(executor, state: RunState, runs: Path, cluster: str) -> str:
     run_dir.mkdir(parents=True, exist_ok=True)
     job = executor.submit(job_class()(task.name, task.script, task.env, task.schedule, task.budget, task.flags,
                                  state.seed, str(runs)))
-    record = {"cluster": cluster, "job_id": str(job.job_id), "step": state.step,
-              "submitted": time.strftime("%Y-%m-%d %H:%M:%S")}
+    submitted_at = time.time()
+    record = {"cluster": cluster, "job_id": str(job.job_id), "step": state.step, "submitted_at": submitted_at,
+              "submitted": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(submitted_at))}
     temporary = run_dir / (JOB_RECORD + ".tmp")
     temporary.write_text(json.dumps(record) + "\n")
     temporary.replace(run_dir / JOB_RECORD)
@@ -899,7 +901,10 @@ def run_on_cluster(tasks: list[Task], args: argparse.Namespace, runs: Path) -> b
     """Submit every run of `tasks` that is not done and has no job under way, then (unless `--status`
     or `--no-wait`) wait for them, submitting again the runs whose jobs stopped, and printing what
     changes. Whether every run is done."""
-    import submitit  # noqa: F401  (a missing submitit is said here, before anything is submitted)
+    try:
+        import submitit  # noqa: F401  (a missing submitit is said here, before anything is submitted)
+    except ImportError:
+        raise UsageError("--cluster and --status need submitit: pip install -r requirements/benchmarks.txt") from None
 
     # The job unpickles `RunJob` by this file's module name, from this folder.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent),
@@ -943,8 +948,8 @@ def run_on_cluster(tasks: list[Task], args: argparse.Namespace, runs: Path) -> b
 # ## The Atari suite, scored as the field scores it
 #
 # `--suite atari3` is CleanRL's three games (its benchmark of `ppo_atari.py`: Pong, BeamRider and
-# Breakout) and `--suite atari57` the 57 games of the ALE on which Atari agents are compared since
-# Badia et al. (2020, Agent57). Each game is a task of its own, named `<script>-<Game>`
+# Breakout) and `--suite atari57` the 57 games of the ALE on which Atari agents are compared (the
+# "Atari-57" of Agent57, Badia et al., 2020, and of the papers before it). Each game is a task of its own, named `<script>-<Game>`
 # (`ppo_atari-Pong`), with the 10M-step schedule of CleanRL's runs, 3 seeds, and the script's
 # defaults. A game's score is the mean over its seeds of the curve's last point (the mean real score
 # of each seed's last 100 games at the budget, from its CSV), and its human-normalised score
@@ -957,9 +962,9 @@ def run_on_cluster(tasks: list[Task], args: argparse.Namespace, runs: Path) -> b
 # The random and human scores are the table of the 57 games that DeepMind's DQN Zoo normalises with
 # (Quan and Ostrovski, 2020, github.com/deepmind/dqn_zoo, `dqn_zoo/atari_data.py`): the random agent's
 # and a professional human tester's, each the mean of at least 3 episodes begun after 1 to 30 no-ops
-# and capped at 108,000 frames. Most go back to Mnih et al. (2015, Nature, Extended Data Table 2),
-# the 8 games DQN was not run on to the papers after it; a few human scores differ from Nature's
-# (Breakout: 30.5 here, 31.8 there), so a table normalised with another source differs a little.
+# and capped at 108,000 frames. Papers do not all normalise with the same human scores (DQN's Nature
+# paper, Mnih et al. 2015, gives its own for the 49 games it played): a median compares with another
+# only where both used this table, as CleanRL's below does.
 ATARI_SCORES = {
     "Alien": (227.8, 7127.7), "Amidar": (5.8, 1719.5), "Assault": (222.4, 742.0), "Asterix": (210.0, 8503.3),
     "Asteroids": (719.1, 47388.7), "Atlantis": (12850.0, 29028.1), "BankHeist": (14.2, 753.1),
