@@ -16,14 +16,15 @@ if [ -e "$conf" ] && ! grep -qxF "$marker" "$conf"; then
     echo "slurm_single_node.sh: $conf exists and is not ours: this machine has a SLURM already" >&2
     exit 1
 fi
-node="$(hostname)"
+node="$(hostname -s)"
 mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm /run/munge
 # The node as slurmd sees it (its CPUs, sockets, memory); the job's processes tracked as a tree
-# (no cgroups needed); no accounting database (learning_curves.py asks squeue, not sacct).
+# (no cgroups needed); no accounting database (learning_curves.py asks squeue, not sacct); the
+# daemons on the loopback address, so that the machine's name need not resolve.
 cat > "$conf" <<CONF
 $marker
 ClusterName=single
-SlurmctldHost=${node}
+SlurmctldHost=${node}(127.0.0.1)
 SlurmUser=root
 AuthType=auth/munge
 ProctrackType=proctrack/linuxproc
@@ -40,7 +41,7 @@ SlurmctldPidFile=/run/slurmctld.pid
 SlurmdPidFile=/run/slurmd.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
-$(slurmd -C | head -1) State=UNKNOWN
+$(slurmd -C | head -1) NodeAddr=127.0.0.1 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
 
