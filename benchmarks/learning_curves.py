@@ -951,8 +951,9 @@ def run_on_cluster(tasks: list[Task], args: argparse.Namespace, runs: Path) -> b
 # Breakout) and `--suite atari57` the 57 games of the ALE on which Atari agents are compared (the
 # "Atari-57" of Agent57, Badia et al., 2020, and of the papers before it). Each game is a task of
 # its own, named `<script>-<Game>` (`ppo_atari-Pong`), with the 10M-step schedule of CleanRL's runs,
-# 3 seeds, and the script's defaults. A game's score is the mean over its seeds of the curve's last point (the mean real score
-# of each seed's last 100 games at the budget, from its CSV), and its human-normalised score
+# 3 seeds, and the script's defaults. A game's score is the mean over its seeds of the curve's last
+# point (the mean real score of each seed's last 100 games at the budget, from its CSV), and its
+# human-normalised score
 #
 # $$\mathrm{HNS} = \frac{\text{score} - \text{random}}{\text{human} - \text{random}},$$
 #
