@@ -146,9 +146,11 @@ import argparse
 import bisect
 import codecs
 import collections
+import contextlib
 import csv
 import difflib
 import getpass
+import io
 import json
 import math
 import os
@@ -873,8 +875,18 @@ def submit(executor, state: RunState, runs: Path, cluster: str) -> str:
     task = state.task
     run_dir = run_dir_of(task, state.seed, runs)
     run_dir.mkdir(parents=True, exist_ok=True)
-    job = executor.submit(job_class()(task.name, task.script, task.env, task.schedule, task.budget, task.flags,
-                                 state.seed, str(runs)))
+    from submitit.core.utils import FailedJobError
+
+    try:
+        # submitit prints sbatch's complaint before raising it: it is said once, in the error below.
+        with contextlib.redirect_stderr(io.StringIO()):
+            job = executor.submit(job_class()(task.name, task.script, task.env, task.schedule, task.budget,
+                                              task.flags, state.seed, str(runs)))
+    except FailedJobError as refused:  # sbatch said no: a partition, a --slurm-arg, a limit of the cluster
+        reason = (str(refused).strip().splitlines() or ["no reason given"])[-1]
+        raise UsageError(f"the job of {state.label} was refused: {reason}") from None
+    except FileNotFoundError as missing:
+        raise UsageError(f"cannot submit the job of {state.label}: {missing.filename or missing} not found") from None
     submitted_at = time.time()
     record = {"cluster": cluster, "job_id": str(job.job_id), "step": state.step, "submitted_at": submitted_at,
               "submitted": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(submitted_at))}

@@ -233,14 +233,27 @@ def slurm_answers() -> bool:
     return states.returncode == 0 and any(state.strip("*~#") in ("idle", "mixed") for state in states.stdout.split())
 
 
-def test_on_a_real_slurm_a_cancelled_job_is_submitted_again_and_resumes_to_the_same_curve(tmp_path):
+def require_slurm():
     if not slurm_answers():
-        # CI starts a SLURM (benchmarks/slurm_single_node.sh) and sets this, so that it never skips there.
+        # CI starts a SLURM (benchmarks/slurm_single_node.sh) and sets this, so that these never skip there.
         if os.environ.get("LEARNING_CURVES_SLURM_REQUIRED") == "1":
             pytest.fail("LEARNING_CURVES_SLURM_REQUIRED=1, but no SLURM answers with an idle node")
         pytest.skip("no SLURM here with an idle node (benchmarks/slurm_single_node.sh starts one)")
+
+
+def test_on_a_real_slurm_a_cancelled_job_is_submitted_again_and_resumes_to_the_same_curve(tmp_path):
+    require_slurm()
     # `scancel` stops a job as a time limit does: SIGTERM to each of its processes.
     stop_and_compare(tmp_path, "slurm", lambda job_id: subprocess.run(["scancel", job_id], check=True))
+
+
+def test_a_job_slurm_refuses_is_one_line_and_status_2(tmp_path):
+    require_slurm()
+    result = subprocess.run(submit_command("refused", tmp_path, "slurm", "--partition", "no-such-partition"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.startswith("learning_curves.py: error: the job of refused seed 1 was refused: sbatch: ")
+    assert result.stderr.count("\n") == 1 and not (tmp_path / "runs" / "refused" / "seed-1" / "job.json").exists()
 
 
 # ## The Atari suite's scores
@@ -299,6 +312,19 @@ def test_games_the_installed_ale_py_lacks_are_named_and_skipped_in_one_line(tmp_
     assert skipped == ["atari3: the installed ale-py lacks 1 of its games, skipped: Pong"]
     assert "| this project's ppo_jax.py | 0.500 | 0.500 |" in captured.out  # the median of 0 and 1
     assert "skipped: Pong." in captured.out
+
+
+def test_over_all_57_games_the_median_and_mean_compare_with_cleanrls():
+    # Every game at its human score (HNS 1) but Pong at 85.2 (3: -20.7 + 3 x 35.3) and Breakout at -27.1
+    # (-1: 1.7 - 28.8): median 1, mean (55 + 3 - 1) / 57 = 1.
+    scores = [curves.GameScore(game, curves.ATARI_SCORES[game][1], 10_000_000, 3) for game in curves.ATARI_SCORES]
+    scores = [curves.GameScore(score.game, {"Pong": 85.2, "Breakout": -27.1}.get(score.game, score.score),
+                               score.step, score.seeds) for score in scores]
+    assert [round(score.normalised, 9) for score in scores if score.game in ("Pong", "Breakout")] == [-1.0, 3.0]
+    assert curves.summarise(scores) == {"median": pytest.approx(1.0), "mean": pytest.approx(1.0)}
+    table = curves.hns_table("atari57", "ppo_jax.py", scores, [])
+    assert "| over 57 of the 57 games | median HNS | mean HNS |" in table
+    assert "| this project's ppo_jax.py | 1.000 | 1.000 |" in table and "do not compare" not in table
 
 
 def test_the_installed_ale_py_has_every_game_of_the_57():
