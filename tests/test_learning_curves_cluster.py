@@ -4,6 +4,7 @@ to the same curve as a run never stopped; a failed run said with its last lines 
 twice; how the signals of SLURM and of the local executor reach a job's script; against a real
 SLURM where one answers. Then the Atari suite's human-normalised scores, on hand-checked numbers."""
 
+import functools
 import importlib.util
 import json
 import os
@@ -223,7 +224,10 @@ def test_sigusr2_before_a_time_limit_stops_the_script_and_hands_back_the_same_jo
     assert delayed.function is job
 
 
+@functools.cache
 def slurm_answers() -> bool:
+    """Whether a SLURM controller answers with a node free to run jobs (asked once: with the packages
+    installed but no controller, sinfo takes 10 s to give up)."""
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
         return False
     try:
