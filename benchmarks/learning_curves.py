@@ -21,6 +21,10 @@ writes, per task, under `benchmarks/results/`:
     python benchmarks/learning_curves.py cartpole-jax --plot-only    # redraw, from the runs or the CSV
     python benchmarks/learning_curves.py --script ppo_atari.py --env Pong --schedule 10M --budget 1M \
         --seeds 1 2 --name pong -- --num-envs 16                 # any script, env and flags
+    python benchmarks/learning_curves.py breakout --seeds 1 2 3 --cluster slurm --partition gpu \
+        --gpus-per-job 1 --time-limit 240                        # one SLURM job per seed (see below)
+    python benchmarks/learning_curves.py breakout --seeds 1 2 3 --status    # where those jobs stand
+    python benchmarks/learning_curves.py --suite atari57 --script ppo_jax.py --cluster slurm --no-wait
 
 Anything after `--` is passed on to the script, after the task's own flags. Step counts may be
 written `2M`, `500k`, `1e6` or `2_000_000`. A mistake in the input is one line on stderr and exit
@@ -51,6 +55,35 @@ run and are simply past the end of this budget's curve. When the
 budget is the schedule, the run is left to finish by itself (exit 0). What the script prints goes
 to `<run dir>/learning_curves.log`, and its other lines and a progress line every 10 seconds to
 this terminal.
+
+## On a cluster
+
+`--cluster slurm` submits each run (a task and a seed) as one job, through submitit, instead of
+running the seeds one after another here; `--cluster local` does the same with submitit's local
+executor, on this machine. A job runs the sittings above on its node. `--partition`, `--time-limit`
+(minutes), `--cpus-per-job` and `--gpus-per-job` say what each job asks for, and every
+`--slurm-arg KEY=VALUE` is passed on to sbatch as `--KEY=VALUE`. `--runs` must be on a file system
+that the nodes and this machine share, and so must the Python that runs this file. The command then
+waits, saying each run's state as it changes (`--no-wait`: it exits once the jobs are submitted), and
+makes the CSVs and plots, as above, once every run has reached its budget; the same command run
+again, or `--status`, says which runs are done, running, queued or failed (a failed one with the
+last lines of its log) and submits only the runs that have no job under way. A job stopped before
+its run's end leaves the run's checkpoint: before its time limit SLURM sends SIGUSR2 (`--signal`,
+90 s ahead), and the job stops the script, waits for its checkpoint and is requeued; at the limit
+itself, on `scancel` or a preemption, SIGTERM reaches the script, which saves and exits, and the
+waiting command submits the run again. Either way the run resumes from its checkpoint, and its curve
+is one run's curve. A run whose job ended without getting it any further is failed, and submitted
+again only with `--retry-failed`. `benchmarks/README.md` shows a run on a single-node SLURM.
+
+## The Atari suite
+
+`--suite atari3` (CleanRL's three games: Pong, BeamRider, Breakout) and `--suite atari57` (the 57
+games of the ALE) run `--script` (ppo_atari.py, or ppo_jax.py) on each game as a task of its own,
+`<script>-<Game>`, with a 10M-step schedule and seeds 1 to 3. Games the installed ale-py lacks are
+named in one line and skipped. Once the curves are drawn, each game's score (the mean over its seeds
+of the curve's last point) is human-normalised, $(score - random) / (human - random)$, and
+`<suite>-<script>-hns.csv` and `.md` list them with their median and mean over the games, beside
+CleanRL's median of 1.04 for its JAX PPO after 10M steps on all 57.
 
 ## What a point of the curve is
 
@@ -112,19 +145,26 @@ from __future__ import annotations
 import argparse
 import bisect
 import codecs
+import collections
+import contextlib
 import csv
 import difflib
+import getpass
+import io
+import json
 import math
 import os
+import pickle
 import pty
 import re
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import time
 import typing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import matplotlib
@@ -250,6 +290,10 @@ def format_steps(steps: float) -> str:
 # ## Running a seed
 
 
+def run_dir_of(task: Task, seed: int, runs: Path) -> Path:
+    return runs / task.name / f"seed-{seed}"
+
+
 def checkpoint_of(run_dir: Path) -> Path | None:
     return next((run_dir / name for name in CHECKPOINT_NAMES if (run_dir / name).exists()), None)
 
@@ -271,30 +315,83 @@ def clean(line: str) -> str:
     return ESCAPE.sub("", line)
 
 
-def run_sitting(command: list[str], stop_at: int | None, log: Path, label: str) -> tuple[int, bool, bool]:
+class Child:
+    """The script a sitting runs, as the signal handlers and a cluster job's `checkpoint` reach it."""
+
+    def __init__(self, process: subprocess.Popen, master: int, log_file: typing.TextIO):
+        self.process, self.master, self.log_file = process, master, log_file
+        self.sent = 0
+        """Stop requests (SIGINT) sent to it: one asks it to save and exit, a second one aborts it."""
+
+    def stop(self) -> None:
+        """Ask the script to stop at its next safe point and save its checkpoint, unless already asked."""
+        if self.sent == 0 and self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            self.sent = 1
+
+    def wait_saved(self) -> int:
+        """Wait for the stopped script to exit, copying what it prints to the run's log meanwhile."""
+        while self.process.poll() is None:
+            ready, _, _ = select.select([self.master], [], [], 0.5)
+            if ready:
+                try:
+                    text = os.read(self.master, 65536).decode("utf-8", "replace")
+                except OSError:  # EIO: the script has closed its terminal
+                    self.process.wait()
+                    break
+                self.log_file.write(clean(text.replace("\r", "\n")))
+        self.log_file.flush()
+        return self.process.returncode
+
+
+RUNNING: list[Child] = []
+"""The sitting under way in this process, if any (a cluster job's `checkpoint` stops it)."""
+
+
+def ignore_preemption_signal() -> None:
+    """In the script of a cluster job, before it starts: ignore SIGUSR2. SLURM sends it to every process
+    of the job before the time limit, and its default action would kill the script without a
+    checkpoint; submitit's handler in the job's own process stops the script instead."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
+def run_sitting(command: list[str], stop_at: int | None, log: Path, label: str,
+                job: str | None = None) -> tuple[int, bool, bool]:
     """Run one sitting of a script, its output on a pseudo-terminal, and send it one SIGINT once its
     progress line shows `stop_at` steps or more. The exit status; whether this sent the SIGINT at the
     budget; whether this process was interrupted (its first signal is passed on as the script's stop
-    request, a second one as the script's abort)."""
+    request, a second one as the script's abort).
+
+    `job` is the cluster when this runs inside a job (`slurm` or `local`). On SLURM a time limit, a
+    preemption or `scancel` signals every process of the job, the script included: the script has
+    its stop request already and this process passes nothing on (a second signal would abort it).
+    submitit's local executor signals this process alone: it passes on one stop request, and never
+    a second, so a job always leaves its checkpoint."""
     master, slave = pty.openpty()
     # A session of its own: a Ctrl-C at this terminal reaches this process alone, which passes on
-    # exactly one SIGINT (a second one would make the scripts abort without a checkpoint).
+    # exactly one SIGINT (a second one would make the scripts abort without a checkpoint). In a
+    # SLURM job the script stays in the job's process group, where SLURM's signals reach it.
     process = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
-                               start_new_session=True)
+                               start_new_session=job != "slurm",
+                               preexec_fn=ignore_preemption_signal if job else None)
     os.close(slave)
-    sent, at_budget, interruptions = 0, False, 0
+    at_budget, interruptions = False, 0
 
     def interrupt(signum, frame) -> None:
-        nonlocal sent, interruptions
+        nonlocal interruptions
         interruptions += 1
-        if sent == 0 or interruptions > 1:
+        if job == "slurm":
+            return
+        if child.sent == 0 or (interruptions > 1 and job is None):
             process.send_signal(signal.SIGINT)
-            sent += 1
+            child.sent += 1
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     pending, last_progress, last_shown, shown_at = "", "", "", 0.0
     with log.open("a") as log_file:
+        child = Child(process, master, log_file)
+        RUNNING[:] = [child]
+        previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
 
         def show(line: str) -> None:
             nonlocal last_shown, shown_at
@@ -328,9 +425,9 @@ def run_sitting(command: list[str], stop_at: int | None, log: Path, label: str) 
                         show(line)
                 for line in map(clean, [*lines, pending]):
                     match = PROGRESS.match(line)
-                    if match and stop_at is not None and sent == 0 and int(match[1].replace(",", "")) >= stop_at:
-                        process.send_signal(signal.SIGINT)
-                        sent, at_budget = 1, True
+                    if match and stop_at is not None and child.sent == 0 and int(match[1].replace(",", "")) >= stop_at:
+                        child.stop()
+                        at_budget = True
                         show(line)
                         show(f"the budget of {stop_at:,} steps is reached: SIGINT sent")
                         last_progress = line
@@ -340,15 +437,17 @@ def run_sitting(command: list[str], stop_at: int | None, log: Path, label: str) 
                 show(last_progress)
             status = process.wait()
         finally:
+            RUNNING.clear()
             os.close(master)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     return status, at_budget, interruptions > 0
 
 
-def train_seed(task: Task, seed: int, runs: Path) -> None:
-    """Run one seed of a task to its budget, fresh or resumed; nothing when it is already there."""
-    run_dir = runs / task.name / f"seed-{seed}"
+def train_seed(task: Task, seed: int, runs: Path, job: str | None = None) -> None:
+    """Run one seed of a task to its budget, fresh or resumed; nothing when it is already there.
+    `job`: the cluster, when this runs inside a cluster's job (see `run_sitting`)."""
+    run_dir = run_dir_of(task, seed, runs)
     label = f"{task.name} seed {seed}"
     if run_dir.exists():
         record = read_record(run_dir, task.schedule)
@@ -366,7 +465,7 @@ def train_seed(task: Task, seed: int, runs: Path) -> None:
     stop_at = task.budget if task.budget < task.schedule else None
     started = time.monotonic()
     status, at_budget, interrupted = run_sitting(script_command(task, seed, run_dir, checkpoint), stop_at,
-                                                 run_dir / "learning_curves.log", label)
+                                                 run_dir / "learning_curves.log", label, job)
     if interrupted:
         raise Interrupted(f"{label} stopped with status {status}")
     if status != 0 and not (status == 130 and at_budget):
@@ -489,7 +588,7 @@ def records_of(task: Task, runs: Path, seeds: typing.Iterable[int]) -> dict[str,
     of a ppo_jax.py run of several (their `agent-<i>/` directories; the run dir holds their mean)."""
     records = {}
     for seed in seeds:
-        run_dir = runs / task.name / f"seed-{seed}"
+        run_dir = run_dir_of(task, seed, runs)
         agents = sorted((path for path in run_dir.glob("agent-*") if path.is_dir()),
                         key=lambda path: int(path.name.split("-")[1]))
         if agents:
@@ -567,6 +666,437 @@ def read_csv(path: Path) -> Curve:
                  {name: [value(row[column[name]]) for row in body] for name in names},
                  {name: [value(row[column[f"seconds_{name}"]]) for row in body] for name in names},
                  [value(row[column["mean"]]) for row in body])
+
+
+# ## Many runs at once: one job per run, on a cluster
+#
+# With `--cluster slurm` (or `local`, the same code path on this machine, for trying it) each run
+# (a task and a seed) is one job, submitted through submitit. A job does on its node what
+# `train_seed` does at a terminal: it trains its run to the budget, fresh or resumed from the run's
+# checkpoint. So `--runs` must be on a file system that every node and the submitting machine share,
+# and the Python that runs this file (a virtual environment, say) too: submitit starts the job with
+# the same interpreter.
+#
+# A job's run dir holds `job.json`: the cluster, the job's id, and the step the run had reached when
+# it was submitted. Whether a run is done is read from its events, as at a terminal; whether its job
+# is queued or running, from `squeue` (SLURM) or from the job's process (local); how a job ended,
+# from the result that submitit leaves in `<runs>/<task>/jobs/`. A job that SLURM stops leaves the
+# run's checkpoint behind, either way it is stopped:
+#
+# - before its time limit (and on a preemption, where the cluster sends it) SLURM sends SIGUSR2,
+#   which submitit's handler in the job catches: it calls `RunJob.checkpoint`, which stops the script
+#   at its next safe point and waits for its checkpoint, then requeues the job (same id; submitit
+#   gives a checkpoint 90 s by default);
+# - at its time limit, on `scancel` or on a preemption without that signal, SLURM sends SIGTERM to
+#   every process of the job: the script saves its checkpoint and exits, the job ends, and the
+#   submitting command, seeing the run short of its budget and its job gone, submits it again.
+#
+# A run whose job ended without getting it any further, or with an error, is failed: it is shown with
+# the last lines of its log and is not submitted again unless asked (`--retry-failed`). A run whose job
+# is queued or running is never submitted again.
+
+JOB_RECORD = "job.json"
+LIVE_STATES = {"PENDING": "queued", "REQUEUED": "queued", "CONFIGURING": "running", "RUNNING": "running",
+               "COMPLETING": "running", "SUSPENDED": "running", "REQUEUE_HOLD": "queued", "REQUEUE_FED": "queued",
+               "RESIZING": "running", "SIGNALING": "running", "STAGE_OUT": "running"}
+"""SLURM's states of a job that has not ended, and what `--status` calls them."""
+
+
+@dataclass(frozen=True)
+class RunJob:
+    """One run (a task and a seed) as a cluster job: submitit pickles it, a node calls it, and it trains
+    the run to its budget as `train_seed` does. Only plain values, so that the job needs nothing of
+    the submitting process but this file."""
+
+    name: str
+    script: str
+    env: str
+    schedule: int
+    budget: int
+    flags: tuple[str, ...]
+    seed: int
+    runs: str
+
+    def __call__(self) -> str:
+        task = Task(self.name, self.script, self.env, self.schedule, self.budget, (self.seed,), self.flags)
+        try:
+            train_seed(task, self.seed, Path(self.runs), job=os.environ.get("SUBMITIT_EXECUTOR", "local"))
+        except Interrupted as stopped:
+            return f"stopped ({stopped}); its checkpoint is saved"
+        return "at its budget"
+
+    def checkpoint(self):
+        """Called by submitit on SIGUSR2 (a time limit or a preemption ahead): stop the script, wait for
+        its checkpoint, and hand back this same job, which submitit requeues."""
+        import submitit
+
+        for child in list(RUNNING):
+            child.stop()
+            child.wait_saved()
+        return submitit.helpers.DelayedSubmission(self)
+
+
+@dataclass
+class RunState:
+    """Where one run stands: `done`, `running`, `queued`, `stopped` (its job ended short of the
+    budget: it is submitted again), `failed`, or `new` (never submitted)."""
+
+    task: Task
+    seed: int
+    state: str
+    step: int = 0
+    job_id: str = ""
+    detail: list[str] = field(default_factory=list)
+    """For a failed run, why and the last lines of its log; for a running one, its last progress line."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.task.name} seed {self.seed}"
+
+
+def jobs_folder(task: Task, runs: Path) -> Path:
+    """submitit's folder for a task's jobs: their pickles, results and logs (`<job id>_0_log.err`)."""
+    return runs / task.name / "jobs"
+
+
+def read_job_record(run_dir: Path) -> dict | None:
+    path = run_dir / JOB_RECORD
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def live_jobs(records: list[dict]) -> dict[str, str]:
+    """`{job id: queued or running}` for the jobs of `records` that have not ended."""
+    live = {}
+    slurm_ids = {record["job_id"] for record in records if record["cluster"] == "slurm"}
+    if slurm_ids:
+        try:
+            listing = subprocess.run(["squeue", "--noheader", "--format=%i %T", f"--user={getpass.getuser()}"],
+                                     capture_output=True, text=True, timeout=60)
+        except FileNotFoundError:
+            raise RunError("runs were submitted to SLURM, but there is no squeue here: "
+                           "run this on a machine of the cluster") from None
+        if listing.returncode != 0:
+            raise RunError(f"squeue failed: {(listing.stderr.strip().splitlines() or ['no message'])[-1]}")
+        for line in listing.stdout.splitlines():
+            job_id, _, state = line.strip().partition(" ")
+            if job_id in slurm_ids and state in LIVE_STATES:
+                live[job_id] = LIVE_STATES[state]
+    for record in records:
+        if record["cluster"] == "local" and local_job_alive(record["job_id"]):
+            live[record["job_id"]] = "running"
+    return live
+
+
+def local_job_alive(job_id: str) -> bool:
+    """A job of submitit's local executor is its controller process, whose id is the job's."""
+    try:
+        state = Path(f"/proc/{job_id}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        command = Path(f"/proc/{job_id}/cmdline").read_bytes()
+    except (OSError, IndexError):
+        return False
+    return state != "Z" and b"submitit" in command
+
+
+def job_result(task: Task, runs: Path, record: dict) -> tuple[str, str] | None:
+    """What submitit recorded at a job's end: `("success", what the job returned)` or `("error",
+    traceback)`; None for a job that was killed before it could record anything. (A local job's id is
+    a process id, which an earlier job may have had: its result is older than this job.)"""
+    path = jobs_folder(task, runs) / f"{record['job_id']}_0_result.pkl"
+    if not path.exists() or path.stat().st_mtime < record.get("submitted_at", 0.0):
+        return None
+    with path.open("rb") as file:
+        return pickle.load(file)
+
+
+def last_lines(path: Path, count: int = 8) -> list[str]:
+    """The last `count` lines of a log, progress lines redrawn in place counted as lines."""
+    if not path.exists():
+        return []
+    with path.open("rb") as file:
+        file.seek(max(0, path.stat().st_size - 16384))
+        text = clean(file.read().decode("utf-8", "replace"))
+    return [line for line in re.split(r"[\r\n]", text) if line.strip()][-count:]
+
+
+def run_state(task: Task, seed: int, runs: Path, live: dict[str, str]) -> RunState:
+    run_dir = run_dir_of(task, seed, runs)
+    record = read_job_record(run_dir)
+    if record and record["job_id"] in live:
+        progress = [line for line in last_lines(run_dir / "learning_curves.log", 20) if PROGRESS.match(line)]
+        return RunState(task, seed, live[record["job_id"]], record["step"], record["job_id"], progress[-1:])
+    step = read_record(run_dir, task.schedule).end if run_dir.is_dir() else 0
+    if step >= task.budget:
+        return RunState(task, seed, "done", step, record["job_id"] if record else "")
+    if record is None:
+        return RunState(task, seed, "new", step)
+    log = run_dir / "learning_curves.log"
+    result = job_result(task, runs, record)
+    if result is not None and result[0] == "error":
+        why = result[1].strip().splitlines()[-1]
+        return RunState(task, seed, "failed", step, record["job_id"], [why, *last_lines(log)])
+    if step <= record["step"]:
+        why = (f"its job ended at step {step:,} without getting further (job log: "
+               f"{jobs_folder(task, runs) / (record['job_id'] + '_0_log.err')})")
+        return RunState(task, seed, "failed", step, record["job_id"], [why, *last_lines(log)])
+    return RunState(task, seed, "stopped", step, record["job_id"])
+
+
+def make_executor(args: argparse.Namespace, task: Task, runs: Path):
+    """A submitit executor for a task's jobs, with the resources asked for."""
+    import submitit
+
+    executor = submitit.AutoExecutor(folder=jobs_folder(task, runs), cluster=args.cluster,
+                                     slurm_max_num_timeout=1000)
+    parameters = dict(timeout_min=args.time_limit, cpus_per_task=args.cpus_per_job, name=f"curves-{task.name}")
+    if args.gpus_per_job:
+        parameters.update(gpus_per_node=args.gpus_per_job)
+    if args.cluster == "slurm":
+        parameters.update(slurm_additional_parameters=dict(args.slurm_arg))
+        if args.partition:
+            parameters.update(slurm_partition=args.partition)
+    else:
+        parameters = {key: value for key, value in parameters.items() if key in ("timeout_min", "gpus_per_node")}
+    executor.update_parameters(**parameters)
+    return executor
+
+
+def job_class() -> type:
+    """`RunJob` of this file imported under its own module name: submitit pickles a class by reference
+    to its module, and a job could not import `__main__`'s (this file, when run as a script)."""
+    if __name__ == "learning_curves":
+        return RunJob
+    import learning_curves  # this file's folder is sys.path[0] when it is run as a script
+
+    return learning_curves.RunJob
+
+
+def submit(executor, state: RunState, runs: Path, cluster: str) -> str:
+    """Submit a run's job and record it in its run dir, before anything else can ask about it."""
+    task = state.task
+    run_dir = run_dir_of(task, state.seed, runs)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    from submitit.core.utils import FailedJobError
+
+    try:
+        # submitit prints sbatch's complaint before raising it: it is said once, in the error below.
+        with contextlib.redirect_stderr(io.StringIO()):
+            job = executor.submit(job_class()(task.name, task.script, task.env, task.schedule, task.budget,
+                                              task.flags, state.seed, str(runs)))
+    except FailedJobError as refused:  # sbatch said no: a partition, a --slurm-arg, a limit of the cluster
+        reason = (str(refused).strip().splitlines() or ["no reason given"])[-1]
+        raise UsageError(f"the job of {state.label} was refused: {reason}") from None
+    except FileNotFoundError as missing:
+        raise UsageError(f"cannot submit the job of {state.label}: {missing.filename or missing} not found") from None
+    submitted_at = time.time()
+    record = {"cluster": cluster, "job_id": str(job.job_id), "step": state.step, "submitted_at": submitted_at,
+              "submitted": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(submitted_at))}
+    temporary = run_dir / (JOB_RECORD + ".tmp")
+    temporary.write_text(json.dumps(record) + "\n")
+    temporary.replace(run_dir / JOB_RECORD)
+    return record["job_id"]
+
+
+def describe_state(state: RunState) -> list[str]:
+    job = f" (job {state.job_id})" if state.job_id else ""
+    what = {"done": f"done at step {state.step:,}", "new": "not submitted", "queued": "queued",
+            "running": "running", "failed": f"failed at step {state.step:,}",
+            "stopped": f"stopped at step {state.step:,}, to be submitted again"}[state.state]
+    lines = [f"[{state.label}] {what}{job}"]
+    if state.state == "running" and state.detail:
+        lines[0] += f": {state.detail[0]}"
+    elif state.state == "failed":
+        lines += [f"    {line}" for line in state.detail]
+    return lines
+
+
+def run_on_cluster(tasks: list[Task], args: argparse.Namespace, runs: Path) -> bool:
+    """Submit every run of `tasks` that is not done and has no job under way, then (unless `--status`
+    or `--no-wait`) wait for them, submitting again the runs whose jobs stopped, and printing what
+    changes. Whether every run is done."""
+    try:
+        import submitit  # noqa: F401  (a missing submitit is said here, before anything is submitted)
+    except ImportError:
+        raise UsageError("--cluster and --status need submitit: pip install -r requirements/benchmarks.txt") from None
+
+    # The job unpickles `RunJob` by this file's module name, from this folder.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent),
+                                                             os.environ.get("PYTHONPATH")]))
+    executors, retried, shown = {}, set(), {}
+    while True:
+        records = [record for task in tasks for seed in task.seeds
+                   if (record := read_job_record(run_dir_of(task, seed, runs))) is not None]
+        live = live_jobs(records)
+        states = [run_state(task, seed, runs, live) for task in tasks for seed in task.seeds]
+        for state in states:
+            again = state.state == "failed" and args.retry_failed and state.label not in retried
+            if args.status or not (state.state in ("new", "stopped") or again):
+                continue
+            if args.cluster is None:
+                raise UsageError(f"{state.label} has no job under way: give --cluster to submit it")
+            if state.task.name not in executors:
+                executors[state.task.name] = make_executor(args, state.task, runs)
+            retried.add(state.label)
+            before = {"new": "", "stopped": f"its job {state.job_id} stopped at step {state.step:,}: ",
+                      "failed": f"failed in job {state.job_id}, tried again: "}[state.state]
+            state.job_id = submit(executors[state.task.name], state, runs, args.cluster)
+            state.state, state.detail = "queued", []
+            print(f"[{state.label}] {before}submitted as job {state.job_id} ({args.cluster}), from step {state.step:,}",
+                  file=sys.stderr)
+        # Every run with --status; while waiting, each run whose state has changed since the last look.
+        counts = collections.Counter(state.state for state in states)
+        changed = [state for state in states if args.status or shown.get(state.label) != (state.state, state.job_id)]
+        if changed:
+            print("\n".join(line for state in changed for line in describe_state(state)), file=sys.stderr)
+            print(", ".join(f"{count} {name}" for name, count in sorted(counts.items())), file=sys.stderr, flush=True)
+        shown = {state.label: (state.state, state.job_id) for state in states}
+        if args.status or args.no_wait or counts["done"] + counts["failed"] == len(states):
+            if counts["failed"] and not args.status:
+                raise RunError(f"{counts['failed']} of {len(states)} runs failed (above, with their last lines); "
+                               "fix the cause and run the same command with --retry-failed")
+            return counts["done"] == len(states)
+        time.sleep(args.poll)
+
+
+# ## The Atari suite, scored as the field scores it
+#
+# `--suite atari3` is CleanRL's three games (its benchmark of `ppo_atari.py`: Pong, BeamRider and
+# Breakout) and `--suite atari57` the 57 games of the ALE on which Atari agents are compared (the
+# "Atari-57" of Agent57, Badia et al., 2020, and of the papers before it). Each game is a task of
+# its own, named `<script>-<Game>` (`ppo_atari-Pong`), with the 10M-step schedule of CleanRL's runs,
+# 3 seeds, and the script's defaults. A game's score is the mean over its seeds of the curve's last
+# point (the mean real score of each seed's last 100 games at the budget, from its CSV), and its
+# human-normalised score
+#
+# $$\mathrm{HNS} = \frac{\text{score} - \text{random}}{\text{human} - \text{random}},$$
+#
+# 0 for a random agent and 1 for the professional human tester. The suite is summed up by the median
+# and the mean of the HNS over its games.
+#
+# The random and human scores are the table of the 57 games that DeepMind's DQN Zoo normalises with
+# (Quan and Ostrovski, 2020, github.com/deepmind/dqn_zoo, `dqn_zoo/atari_data.py`): the random agent's
+# and a professional human tester's, each the mean of at least 3 episodes begun after 1 to 30 no-ops
+# and capped at 108,000 frames. Papers do not all normalise with the same human scores (DQN's Nature
+# paper, Mnih et al. 2015, gives its own for the 49 games it played): a median compares with another
+# only where both used this table, as CleanRL's below does.
+ATARI_SCORES = {
+    "Alien": (227.8, 7127.7), "Amidar": (5.8, 1719.5), "Assault": (222.4, 742.0), "Asterix": (210.0, 8503.3),
+    "Asteroids": (719.1, 47388.7), "Atlantis": (12850.0, 29028.1), "BankHeist": (14.2, 753.1),
+    "BattleZone": (2360.0, 37187.5), "BeamRider": (363.9, 16926.5), "Berzerk": (123.7, 2630.4),
+    "Bowling": (23.1, 160.7), "Boxing": (0.1, 12.1), "Breakout": (1.7, 30.5), "Centipede": (2090.9, 12017.0),
+    "ChopperCommand": (811.0, 7387.8), "CrazyClimber": (10780.5, 35829.4), "Defender": (2874.5, 18688.9),
+    "DemonAttack": (152.1, 1971.0), "DoubleDunk": (-18.6, -16.4), "Enduro": (0.0, 860.5),
+    "FishingDerby": (-91.7, -38.7), "Freeway": (0.0, 29.6), "Frostbite": (65.2, 4334.7), "Gopher": (257.6, 2412.5),
+    "Gravitar": (173.0, 3351.4), "Hero": (1027.0, 30826.4), "IceHockey": (-11.2, 0.9), "Jamesbond": (29.0, 302.8),
+    "Kangaroo": (52.0, 3035.0), "Krull": (1598.0, 2665.5), "KungFuMaster": (258.5, 22736.3),
+    "MontezumaRevenge": (0.0, 4753.3), "MsPacman": (307.3, 6951.6), "NameThisGame": (2292.3, 8049.0),
+    "Phoenix": (761.4, 7242.6), "Pitfall": (-229.4, 6463.7), "Pong": (-20.7, 14.6), "PrivateEye": (24.9, 69571.3),
+    "Qbert": (163.9, 13455.0), "Riverraid": (1338.5, 17118.0), "RoadRunner": (11.5, 7845.0),
+    "Robotank": (2.2, 11.9), "Seaquest": (68.4, 42054.7), "Skiing": (-17098.1, -4336.9),
+    "Solaris": (1236.3, 12326.7), "SpaceInvaders": (148.0, 1668.7), "StarGunner": (664.0, 10250.0),
+    "Surround": (-10.0, 6.5), "Tennis": (-23.8, -8.3), "TimePilot": (3568.0, 5229.2), "Tutankham": (11.4, 167.6),
+    "UpNDown": (533.4, 11693.2), "Venture": (0.0, 1187.5),
+    # The random agent's Video Pinball (16,256.9) is close to the human's: a small gain in score is a
+    # large one in HNS.
+    "VideoPinball": (16256.9, 17667.9), "WizardOfWor": (563.5, 4756.5), "YarsRevenge": (3092.9, 54576.9),
+    "Zaxxon": (32.5, 9173.3),
+}
+"""Each game of the ALE's 57, by the ALE's own name: (the random agent's score, the human's)."""
+
+SUITES = {"atari3": ("Pong", "BeamRider", "Breakout"), "atari57": tuple(ATARI_SCORES)}
+SUITE_SCHEDULE, SUITE_SEEDS = 10_000_000, (1, 2, 3)
+
+CLEANRL_HNS = {"median": 1.04117, "mean": 7.1795}
+"""CleanRL's `ppo_atari_envpool_xla_jax.py` (PPO in JAX, 10M steps, 3 seeds) over the 57 games: the
+median and mean of the per-game HNS its docs list (docs/rl-algorithms/ppo/ppo_atari_envpool_xla_jax/
+atari_hns.md, github.com/vwxyzjn/cleanrl, commit 42d21bd). openai/baselines' PPO2 there: 0.909 and 5.35."""
+
+
+def ale_games() -> set[str]:
+    """The games of the installed ale-py, by their short names (`Breakout` for `ALE/Breakout-v5`)."""
+    try:
+        import ale_py
+        import gymnasium
+    except ImportError:
+        raise UsageError("the Atari suites need ale-py and gymnasium: pip install -r requirements/ppo_atari.txt") \
+            from None
+    gymnasium.register_envs(ale_py)
+    return {env_id[4:-3] for env_id in gymnasium.registry if env_id.startswith("ALE/") and env_id.endswith("-v5")}
+
+
+def suite_tasks(suite: str, script: str, available: set[str]) -> tuple[list[Task], list[str]]:
+    """The tasks of a suite for `script`, one per game the installed ale-py has; and the games it lacks."""
+    stem = Path(script).stem
+    tasks = [Task(f"{stem}-{game}", script, game, schedule=SUITE_SCHEDULE, budget=SUITE_SCHEDULE, seeds=SUITE_SEEDS,
+                  score="score", unit="games") for game in SUITES[suite] if game in available]
+    return tasks, [game for game in SUITES[suite] if game not in available]
+
+
+def human_normalised(game: str, score: float) -> float:
+    random_score, human_score = ATARI_SCORES[game]
+    return (score - random_score) / (human_score - random_score)
+
+
+@dataclass
+class GameScore:
+    game: str
+    score: float | None
+    """The mean over the seeds of the curve's last point; None where the runs have not reached it."""
+    step: int
+    seeds: int
+
+    @property
+    def normalised(self) -> float | None:
+        return None if self.score is None else human_normalised(self.game, self.score)
+
+
+def game_score(game: str, curve: Curve) -> GameScore:
+    """A game's score from its curve: the mean over the seeds at the last step of the grid."""
+    return GameScore(game, curve.mean[-1] if curve.steps else None, curve.steps[-1] if curve.steps else 0,
+                     len(curve.scores))
+
+
+def summarise(scores: list[GameScore]) -> dict[str, float] | None:
+    """The median and the mean HNS over the games that have a score."""
+    values = [score.normalised for score in scores if score.normalised is not None]
+    return {"median": statistics.median(values), "mean": statistics.fmean(values)} if values else None
+
+
+def hns_table(suite: str, script: str, scores: list[GameScore], skipped: list[str]) -> str:
+    """The suite's table in Markdown: each game's score and HNS, then the median and the mean beside CleanRL's."""
+    lines = [f"{suite}, {script}: human-normalised scores (HNS) at the end of each game's curve", "",
+             "| game | step | seeds | score | random | human | HNS |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for score in scores:
+        random_score, human_score = ATARI_SCORES[score.game]
+        shown = ("no score yet", "") if score.score is None else (f"{score.score:.1f}", f"{score.normalised:.3f}")
+        lines.append(f"| {score.game} | {format_steps(score.step) if score.step else ''} | {score.seeds} | {shown[0]} "
+                     f"| {random_score:g} | {human_score:g} | {shown[1]} |")
+    summary = summarise(scores)
+    counted = sum(score.score is not None for score in scores)
+    lines.append("")
+    if summary:
+        lines.append(f"| over {counted} of the 57 games | median HNS | mean HNS |")
+        lines.append("| --- | --- | --- |")
+        lines.append(f"| this project's {script} | {summary['median']:.3f} | {summary['mean']:.3f} |")
+    else:
+        lines.append("| no game has a score yet | median HNS | mean HNS |")
+        lines.append("| --- | --- | --- |")
+    lines.append(f"| CleanRL ppo_atari_envpool_xla_jax.py, 10M steps, 3 seeds, all 57 | {CLEANRL_HNS['median']:.2f} "
+                 f"| {CLEANRL_HNS['mean']:.2f} |")
+    if counted != len(ATARI_SCORES):
+        lines.append(f"\nOver {counted} games the median and mean are not those of the 57: they do not compare with "
+                     "CleanRL's.")
+    if skipped:
+        lines.append(f"\nNot in the installed ale-py, skipped: {', '.join(skipped)}.")
+    return "\n".join(lines) + "\n"
+
+
+def write_hns_csv(scores: list[GameScore], path: Path) -> None:
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file, lineterminator="\n")
+        writer.writerow(["game", "step", "seeds", "score", "random", "human", "hns"])
+        for score in scores:
+            writer.writerow([score.game, score.step, score.seeds, cell(score.score, 3), *ATARI_SCORES[score.game],
+                             cell(score.normalised, 4)])
 
 
 # ## The plots
@@ -708,12 +1238,41 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--results", type=Path, default=ROOT / "benchmarks" / "results",
          help="where the CSV and the plots go (default: benchmarks/results)")
     flag("--plot-only", action="store_true", help="redraw from the runs (without runs, from the CSV); train nothing")
+    flag("--suite", choices=sorted(SUITES),
+         help="a set of tasks: atari3 (CleanRL's Pong, BeamRider, Breakout) or atari57 (the ALE's 57 games), with "
+              "--script (default ppo_atari.py); writes their table of human-normalised scores")
+    cluster = parser.add_argument_group("on a cluster (through submitit; --runs on a file system the nodes share)")
+    option = cluster.add_argument
+    option("--cluster", choices=["slurm", "local"],
+           help="submit each run (a task and a seed) as a job: to SLURM, or to submitit's local executor")
+    option("--partition", help="the SLURM partition of the jobs")
+    option("--time-limit", type=int, default=240,
+           help="minutes a job may run (default: 240); a job stopped by it is requeued and resumes its run")
+    option("--cpus-per-job", type=int, default=4, help="CPUs of each job (default: 4)")
+    option("--gpus-per-job", type=int, default=0, help="GPUs of each job (default: 0)")
+    option("--slurm-arg", action="append", default=[], type=slurm_arg, metavar="KEY=VALUE",
+           help="an sbatch option passed on as #SBATCH --KEY=VALUE (account=..., qos=..., mem=...); repeat it for more")
+    option("--status", action="store_true",
+           help="say which runs are done, running, queued or failed (with a failed job's last lines); submit nothing")
+    option("--no-wait", action="store_true", help="submit, say where the runs stand, and exit without waiting")
+    option("--retry-failed", action="store_true", help="submit failed runs again (once)")
+    option("--poll", type=float, default=60.0, help="seconds between two looks at the jobs while waiting (default: 60)")
     return parser
+
+
+def slurm_arg(text: str) -> tuple[str, str]:
+    """`--slurm-arg account=rl` as ("account", "rl")."""
+    key, equals, value = text.partition("=")
+    if not equals or not key.strip() or key.startswith("-"):
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (an sbatch option without its dashes), not {text!r}")
+    return key.strip(), value.strip()
 
 
 def resolve_task(args: argparse.Namespace, extra: list[str]) -> Task:
     """The task asked for: a preset, or one of the user's own; with the budget, seeds and flags given."""
     own = [flag for flag, value in [("--script", args.script), ("--env", args.env), ("--name", args.name)] if value]
+    if args.suite is not None:
+        raise UsageError("internal: a suite is resolved by resolve_tasks")
     if args.task is not None:
         if args.task not in TASKS:
             close = difflib.get_close_matches(args.task, TASKS, n=2)
@@ -733,6 +1292,11 @@ def resolve_task(args: argparse.Namespace, extra: list[str]) -> Task:
         name = args.name or f"{Path(args.script).stem}-{args.env.replace('/', '-')}"
         task = Task(name, args.script, args.env, schedule=args.schedule, budget=args.budget or args.schedule,
                     seeds=(1,), unit=UNITS.get(Path(args.script).name, "logged scores"))
+    return adjusted(task, args, extra)
+
+
+def adjusted(task: Task, args: argparse.Namespace, extra: list[str]) -> Task:
+    """A task with the schedule, budget, seeds and flags given on the command line, checked."""
     schedule = args.schedule or task.schedule
     budget = args.budget or min(task.budget, schedule)
     seeds = tuple(args.seeds) if args.seeds else task.seeds
@@ -749,6 +1313,25 @@ def resolve_task(args: argparse.Namespace, extra: list[str]) -> Task:
     return task
 
 
+def resolve_tasks(args: argparse.Namespace, extra: list[str]) -> tuple[list[Task], list[str]]:
+    """The tasks asked for: one, or a suite's (with the games the installed ale-py lacks)."""
+    if args.suite is None:
+        return [resolve_task(args, extra)], []
+    clash = [flag for flag, value in [("a task name", args.task), ("--env", args.env), ("--name", args.name)] if value]
+    if clash:
+        raise UsageError(f"--suite and {' and '.join(clash)} cannot be used together: a suite names its own tasks")
+    script = args.script or "ppo_atari.py"
+    if script not in ("ppo_atari.py", "ppo_jax.py"):
+        raise UsageError(f"--suite {args.suite} runs ppo_atari.py or ppo_jax.py, not {script!r}")
+    tasks, skipped = suite_tasks(args.suite, script, ale_games())
+    if skipped:
+        print(f"{args.suite}: the installed ale-py lacks {len(skipped)} of its games, skipped: {', '.join(skipped)}",
+              file=sys.stderr)
+    if not tasks:
+        raise UsageError(f"the installed ale-py has none of the games of {args.suite}")
+    return [adjusted(task, args, extra) for task in tasks], skipped
+
+
 def list_tasks() -> None:
     for task in TASKS.values():
         flags = f" {' '.join(task.flags)}" if task.flags else ""
@@ -759,6 +1342,9 @@ def list_tasks() -> None:
             print(f"    anchor: {anchor.source} [{points}]")
         for name in task.beside:
             print(f"    beside: {name}")
+    for suite, games in SUITES.items():
+        print(f"--suite {suite}: <script>-<Game> for {len(games)} games, schedule {format_steps(SUITE_SCHEDULE)}, "
+              f"seeds {' '.join(map(str, SUITE_SEEDS))}: {' '.join(games)}")
 
 
 def report(task: Task, curve: Curve, peers: dict[str, Curve] | None = None) -> None:
@@ -779,6 +1365,38 @@ def report(task: Task, curve: Curve, peers: dict[str, Curve] | None = None) -> N
             print(f"    {peer_label(name, peer)}: {peer.mean[reached[-1]]:.1f} at step {peer.steps[reached[-1]]:,}")
 
 
+def draw(task: Task, args: argparse.Namespace, runs: Path, results: Path, suite: bool) -> Curve | None:
+    """The CSV of a task from its runs (or, without runs, the CSV already there), its plots, and its
+    report. None for a suite's game that has neither."""
+    records = records_of(task, runs, task.seeds)
+    if any(record.scores and not record.averaged for record in records.values()) and task.script == "ppo_jax.py":
+        print(f"{task.name}: these runs predate ppo_jax.py's mean of its last 100 episodes; "
+              f"each point is the mean of the last {args.window} updates' episode means", file=sys.stderr)
+        task = replace(task, unit="updates")
+    csv_path = results / f"{task.name}.csv"
+    if records:
+        curve = make_curve(records, task.budget, args.points, args.window)
+        results.mkdir(parents=True, exist_ok=True)
+        write_csv(curve, csv_path)
+    elif csv_path.exists():
+        print(f"no runs of {task.name} in {runs}; drawing {csv_path}", file=sys.stderr)
+        curve = read_csv(csv_path)
+        if args.budget is None and curve.steps:
+            task = replace(task, budget=curve.steps[-1])
+    elif suite:
+        print(f"{task.name}: no runs in {runs} and no {csv_path}: left out", file=sys.stderr)
+        return None
+    else:
+        raise UsageError(f"nothing to draw: no runs of {task.name} in {runs} and no {csv_path}")
+    peers = {name: read_csv(results / f"{name}.csv") for name in task.beside if (results / f"{name}.csv").exists()}
+    plots = [results / f"{task.name}.png", results / f"{task.name}_time.png"]
+    plot_steps(curve, task, args.window, plots[0], peers)
+    plot_time(curve, task, args.window, plots[1])
+    report(task, curve, peers)
+    print("wrote " + ", ".join(map(str, ([csv_path] if records else []) + plots)))
+    return curve
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     own, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -787,35 +1405,35 @@ def main(argv: list[str] | None = None) -> int:
         list_tasks()
         return 0
     try:
-        task = resolve_task(args, extra)
+        if args.cluster is None and (args.partition or args.slurm_arg or args.no_wait or args.retry_failed):
+            raise UsageError("--partition, --slurm-arg, --no-wait and --retry-failed need --cluster")
+        if args.cluster == "local" and (args.partition or args.slurm_arg):
+            raise UsageError("--partition and --slurm-arg are SLURM's: they need --cluster slurm")
+        if min(args.time_limit, args.cpus_per_job) < 1 or args.gpus_per_job < 0 or args.poll <= 0:
+            raise UsageError("--time-limit and --cpus-per-job must be positive, --gpus-per-job not negative, "
+                             "--poll positive")
+        if args.plot_only and (args.cluster or args.status):
+            raise UsageError("--plot-only trains nothing: it cannot be used with --cluster or --status")
+        tasks, skipped = resolve_tasks(args, extra)
         runs, results = args.runs.resolve(), args.results.resolve()
-        if not args.plot_only:
-            for seed in task.seeds:
-                train_seed(task, seed, runs)
-        records = records_of(task, runs, task.seeds)
-        if any(record.scores and not record.averaged for record in records.values()) and task.script == "ppo_jax.py":
-            print(f"{task.name}: these runs predate ppo_jax.py's mean of its last 100 episodes; "
-                  f"each point is the mean of the last {args.window} updates' episode means", file=sys.stderr)
-            task = replace(task, unit="updates")
-        csv_path = results / f"{task.name}.csv"
-        if records:
-            curve = make_curve(records, task.budget, args.points, args.window)
+        if args.cluster or args.status:
+            if not run_on_cluster(tasks, args, runs):
+                return 0
+        elif not args.plot_only:
+            for task in tasks:
+                for seed in task.seeds:
+                    train_seed(task, seed, runs)
+        curves = {task.name: draw(task, args, runs, results, args.suite is not None) for task in tasks}
+        if args.suite is not None:
+            script = tasks[0].script
+            scores = [game_score(task.env, curve) for task in tasks if (curve := curves[task.name]) is not None]
+            table = hns_table(args.suite, script, scores, skipped)
+            stem = f"{args.suite}-{Path(script).stem}-hns"
             results.mkdir(parents=True, exist_ok=True)
-            write_csv(curve, csv_path)
-        elif csv_path.exists():
-            print(f"no runs of {task.name} in {runs}; drawing {csv_path}", file=sys.stderr)
-            curve = read_csv(csv_path)
-            if args.budget is None and curve.steps:
-                task = replace(task, budget=curve.steps[-1])
-        else:
-            raise UsageError(f"nothing to draw: no runs of {task.name} in {runs} and no {csv_path}")
-        peers = {name: read_csv(results / f"{name}.csv") for name in task.beside
-                 if (results / f"{name}.csv").exists()}
-        plots = [results / f"{task.name}.png", results / f"{task.name}_time.png"]
-        plot_steps(curve, task, args.window, plots[0], peers)
-        plot_time(curve, task, args.window, plots[1])
-        report(task, curve, peers)
-        print("wrote " + ", ".join(map(str, ([csv_path] if records else []) + plots)))
+            write_hns_csv(scores, results / f"{stem}.csv")
+            (results / f"{stem}.md").write_text(table)
+            print(table, end="")
+            print(f"wrote {results / (stem + '.csv')}, {results / (stem + '.md')}")
         return 0
     except UsageError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
@@ -827,7 +1445,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: interrupted ({error}); the same command resumes the runs", file=sys.stderr)
         return 130
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted between two sittings; the same command resumes the runs", file=sys.stderr)
+        if args.cluster or args.status:
+            print(f"{PROG}: stopped waiting; the jobs go on (on SLURM), and the same command or --status picks "
+                  "them up again", file=sys.stderr)
+        else:
+            print(f"{PROG}: interrupted between two sittings; the same command resumes the runs", file=sys.stderr)
         return 130
 
 
