@@ -189,7 +189,10 @@ RING_TAG = "charts/episodic_return_last_100"
 # `ppo_atari.py` (docs.cleanrl.dev, PPO, its Breakout curve read by eye at 1M, 2M and 5M; 414.66 ± 28.09
 # at 10M from its table); Spinning Up's benchmark page (VPG in PyTorch on HalfCheetah-v3, 3M steps, ≈ 630
 # at the end); PureJaxRL's README (github.com/luchris429/purejaxrl), whose two plots are against
-# seconds, not steps, and end at 500 on CartPole-v1 and near 40 on MinAtar-Breakout.
+# seconds, not steps, and end at 500 on CartPole-v1 and near 40 on MinAtar-Breakout; rl-baselines3-zoo's
+# benchmark.md (DLR-RM/rl-baselines3-zoo, "Performance of trained agents": one run each, its trained
+# agent evaluated with the deterministic policy, 1M steps): A2C 3,041.174 ± 157.265 on HalfCheetah-v3,
+# A2C 733.454 ± 376.574 and PPO 2,410.435 ± 10.026 on Hopper-v3.
 
 
 @dataclass(frozen=True)
@@ -235,7 +238,11 @@ TASKS = {task.name: task for task in [
     Task("breakout", "ppo_atari.py", "Breakout", schedule=10_000_000, budget=2_000_000, seeds=(1, 2),
          score="score", unit="games", anchors=(CLEANRL_BREAKOUT,)),
     Task("halfcheetah", "vpg_continuous.py", "HalfCheetah-v5", schedule=1_000_000, budget=1_000_000, seeds=(1, 2, 3),
-         anchors=(Anchor("Spinning Up VPG (PyTorch, HalfCheetah-v3): ≈ 630 at 3M", ((3_000_000, 630.0),), level=True),)),
+         anchors=(Anchor("rl-zoo A2C (HalfCheetah-v3, one run): 3,041 at 1M", ((1_000_000, 3041.2),), level=True),
+                  Anchor("Spinning Up VPG (PyTorch, HalfCheetah-v3): ≈ 630 at 3M", ((3_000_000, 630.0),), level=True))),
+    Task("hopper", "vpg_continuous.py", "Hopper-v5", schedule=1_000_000, budget=1_000_000, seeds=(1, 2, 3),
+         anchors=(Anchor("rl-zoo A2C (Hopper-v3, one run): 733 at 1M", ((1_000_000, 733.5),), level=True),
+                  Anchor("rl-zoo PPO (Hopper-v3, one run): 2,410 at 1M", ((1_000_000, 2410.4),), level=True))),
     Task("cartpole-jax", "ppo_jax.py", "CartPole-v1", schedule=500_000, budget=500_000, seeds=(1,),
          flags=("--num-seeds", "16"),
          anchors=(Anchor("PureJaxRL PPO (README plot): 500 at its run's end", ((500_000, 500.0),), level=True),)),
