@@ -23,7 +23,7 @@ def definition(script: str, name: str) -> str:
     raise AssertionError(f"{script} defines no {name}")
 
 
-@pytest.mark.parametrize("name", ["Video", "import_wandb", "start_tracking", "track_evaluation"])
+@pytest.mark.parametrize("name", ["Video", "import_wandb", "start_tracking"])
 def test_the_copies_are_one_text(name):
     assert len({definition(script, name) for script in SCRIPTS}) == 1, f"the {name} copies differ"
 
