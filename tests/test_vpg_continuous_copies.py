@@ -80,17 +80,16 @@ def class_source(script: str, name: str) -> str:
     raise AssertionError(f"{script} has no class {name}")
 
 
-def test_the_three_scripts_decide_on_signals_with_one_stop_request():
-    # How a signal is heard and how a run aborts differ (ppo_jax.py's main thread sits in XLA, so a
-    # thread of its own hears them, `SignalThread`); what a signal does is decided by one text.
-    texts = {script: class_source(script, "StopRequest") for script in ["ppo_atari.py", "vpg_continuous.py", "ppo_jax.py"]}
+def test_the_pytorch_scripts_decide_on_signals_with_one_stop_request():
+    # (ppo_jax.py's main thread sits in XLA, so a thread of its own hears signals and decides alike: `Signals`.)
+    texts = {script: class_source(script, "StopRequest") for script in ["ppo_atari.py", "vpg_continuous.py"]}
     assert len(set(texts.values())) == 1, "the StopRequest copies differ"
 
 
 def stop_request_class():
     """The shared `StopRequest`, taken from its source as every script has it, with aborts recorded."""
     namespace = {"signal": signal, "sys": sys, "time": time}
-    exec("from __future__ import annotations\n" + class_source("ppo_jax.py", "StopRequest"), namespace)
+    exec("from __future__ import annotations\n" + class_source("ppo_atari.py", "StopRequest"), namespace)
 
     class Recorded(namespace["StopRequest"]):
         def abort(self, why, signum):
