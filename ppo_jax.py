@@ -39,7 +39,8 @@ What JAX changes about writing RL, as this page meets it:
   100 slots rather than in a list.
 * **The host is far away.** A compiled run cannot write a TensorBoard event or a checkpoint, and
   a Ctrl-C cannot reach it: the command line runs it a chunk (two seconds' worth of updates or so)
-  at a time and does those between.
+  at a time and does those between, taking back from the device one flag a chunk while a thread
+  of its own logs the last chunk as the next one computes.
 
 What to expect, measured on this project's 2-core CPU (the README has the commands and the
 figures): CartPole-v1's default run, 500,000 steps of 4 environments x 128 steps, traces and
@@ -53,7 +54,7 @@ agents side by side gain little from `vmap` (sixteen ran at 172,000 steps a seco
 `python benchmarks/learning_curves.py cartpole-jax` made the curve: sixteen agents of seed 1, the
 mean return of each one's last 100 episodes at 500 from about 360k steps on.
 Pendulum-v1 with its preset, observations and rewards normalised: twelve agents between -128 and
--166 after 1M steps each, each past -250 within 94,000 steps (Part 3 has the table).
+-166 after 1M steps each, each past -250 within 94,000 steps (`benchmarks/README.md` has the table).
 
 ![ppo_jax.py on Breakout-MinAtar: the mean return of the last 100 episodes of 4 agents, trained side by side in one compiled program, climbs to 35 at 2M steps, passes 40 at 5.3M and reaches 50.2 at 10M, the agents ending between 28.8 and 75.2; PureJaxRL's end, about 40, is drawn as a dashed line](benchmarks/results/minatar-breakout-jax.png)
 
@@ -163,7 +164,7 @@ from tensorboard.summary.writer import event_file_writer
 # | `gamma`, `gae_lambda`, `ent_coef` | 0.99, 0.95, 0.01 | the same | the same | the same | all agree |
 # | `vf_coef` | 0.5 | 0.5 | 0.5 | 1 | theirs; with the $\frac12$ inside the value loss, the squared error weighs 0.25 (the paper's: 1) |
 # | `max_grad_norm`, Adam's $\epsilon$ | 0.5, 1e-5 | 0.5, 1e-5 | 0.5, 1e-5 | none, not given | baselines', kept by all three |
-# | value clipping (`clip_value_loss`) | at $\epsilon$; off in continuous control's preset | at 0.2 | at 0.2 | none | baselines', and so annealed with $\epsilon$ here; off where it measured worse (Pendulum, Part 3's presets) |
+# | value clipping (`clip_value_loss`) | at $\epsilon$; off in continuous control's preset | at 0.2 | at 0.2 | none | baselines', and so annealed with $\epsilon$ here; off where it measured worse (Pendulum: Part 3's presets, the runs in `benchmarks/README.md`) |
 #
 # "Annealed" means multiplied by $1 - k/N$ at update $k = 0, 1, \dots, N-1$ of $N$: the full value at
 # the first update, falling linearly to $1/N$ of it at the last (not to 0), in PureJaxRL, CleanRL and
@@ -1258,9 +1259,8 @@ OTHER_ENVS.append((lambda env_id: env_id in atari_ids(), AtariEnv))
 #
 # The command line sets the fields of `Config` (and of Part 2's `AtariConfig`) and those of one
 # invocation: where the run's files go, how often it writes a checkpoint, which checkpoint to resume
-# or evaluate, and where JAX runs. `RunConfig` adds the second kind to the
-# first. A resumed run takes its hyperparameters from the checkpoint, but these from the command line
-# (or their defaults).
+# or evaluate, and where JAX runs. `RunConfig` adds the second kind to the first. A resumed run
+# takes its hyperparameters from the checkpoint, but these from the command line (or their defaults).
 
 
 @dataclass
@@ -1288,6 +1288,7 @@ class RunConfig(AtariConfig):
     """The Weights & Biases project that `--track` sends the run to."""
     wandb_entity: str | None = None
     """The Weights & Biases team or user that `--track` sends the run to (default: your own)."""
+
 
 RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.name for field in dataclasses.fields(AtariConfig)}
 
@@ -1490,9 +1491,11 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #
 # * **Convolutions as products of windows, on a CPU: the one override.** Inside a scan, XLA's CPU
 #   backend computes `nn.Conv`'s gradient with a generic, unoptimised kernel (jax-ml/jax issue
-#   12868). PATCH_CONV_MEASUREMENT So on a CPU the networks' convolution is `PatchConv`: `nn.Conv`
-#   computed as one matrix product over its input's windows, with the same parameters, so that a
-#   checkpoint moves between the two (a test holds them to the same function).
+#   12868). Measured with jaxlib 0.10.2 on 2 cores of an AMD EPYC (issue 42), one iteration of PPO
+#   on Breakout (8 games x 128 steps, the default update) took 3.5 to 4.7 s with `PatchConv`; with
+#   `nn.Conv`, five of them had not ended after 17 minutes. So on a CPU the networks' convolution is
+#   `PatchConv`: `nn.Conv` computed as one matrix product over its input's windows, with the same
+#   parameters, so that a checkpoint moves between the two (a test holds them to the same function).
 # * **Agents initialised one at a time** (`sequential_vmap` in `make_train`): under `vmap`, jaxlib
 #   0.10.2's batched QR for the orthogonal initialisation can deadlock on the CPU (16 CartPole agents
 #   hung here). Each agent starts from the very weights it would start from alone (a test checks it).
@@ -1731,7 +1734,7 @@ def log_chunk(run: Run, metrics: dict, episodes: jax.Array, count: int, first_up
             for index in range(count) if every else np.flatnonzero(ended[:, agent]):
                 writer.add(steps[index], tag=tag, simple_value=values[index, agent])
     run.writer.add(steps[-1], tag="charts/SPS", simple_value=sps)
-    if run.agents_file is not None:
+    if run.config.num_seeds > 1:
         leaves = {jax.tree_util.keystr(where, simple=True, separator="/"): value
                   for where, value in jax.tree_util.tree_leaves_with_path(metrics)}
         records = np.zeros(count, [("step", np.int64), *((name, value.dtype, value.shape[1:])
@@ -1741,8 +1744,8 @@ def log_chunk(run: Run, metrics: dict, episodes: jax.Array, count: int, first_up
         record = io.BytesIO()
         np.save(record, records)
         try:
-            run.agents_file.write(record.getvalue())  # in one piece: a crash leaves whole records, at worst a torn last
-            run.agents_file.flush()
+            with open(run.dir / AGENTS_FILE, "ab") as file:
+                file.write(record.getvalue())  # in one piece: a crash leaves whole records, at worst a torn last one
         except OSError as error:
             raise naming(error, run.dir / AGENTS_FILE) from error
     counted = np.minimum(episodes, SCORE_WINDOW)[episodes > 0]
@@ -1860,24 +1863,22 @@ class Run:
                                            Path("runs") / f"{name}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"))
         self.config, self.env_id, self.resumed, self.signals = config, env_id, checkpoint is not None, signals
         self.checkpoint_path, self.tracking, self.logger, self.logging = self.dir / "checkpoint.msgpack", None, None, None
-        self.writer, self.writers, self.agents_file = None, [], None
+        self.writer, self.writers = None, []
+        if self.checkpoint_path.exists() and not (checkpoint and self.checkpoint_path.samefile(config.resume)):
+            raise ConfigError(f"{self.dir} already holds a checkpoint{f' of another run than {config.resume}' if checkpoint else ''}; "
+                              f"resume it with --resume {self.checkpoint_path} or choose another --run-dir")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise ConfigError(f"cannot create the run directory {self.dir}: {error.strerror}") from None
         self.lock = open(self.dir / "run.lock", "a+")
         try:
-            try:
-                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self.lock.seek(0)
-                raise ConfigError(f"{self.dir} is in use by another run (process {self.lock.read().strip()})") from None
-            if self.checkpoint_path.exists() and not (checkpoint and self.checkpoint_path.samefile(config.resume)):
-                raise ConfigError(f"{self.dir} already holds a checkpoint{f' of another run than {config.resume}' if checkpoint else ''}; "
-                                  f"resume it with --resume {self.checkpoint_path} or choose another --run-dir")
-        except ConfigError:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.lock.seek(0)
+            holder = self.lock.read().strip()
             self.lock.close()
-            raise
+            raise ConfigError(f"{self.dir} is in use by another run (process {holder})") from None
         self.lock.truncate(0)
         self.lock.write(f"{os.getpid()}\n")
         self.lock.flush()
@@ -1889,7 +1890,7 @@ class Run:
                   f"{config.num_updates * config.batch_size:,} steps", file=sys.stderr)
 
     def open_writers(self, progress: Progress) -> None:
-        """The run's writer and, for several agents, `AGENTS_FILE` and the first `AGENT_WRITERS`' own; the logger."""
+        """The run's writer and, for several agents, the first `AGENT_WRITERS`' own; the logging thread."""
         if self.config.track:  # before the writers, so that wandb sees their events
             self.tracking = start_tracking(self.config, self.dir.name)
         # A writer's thread that cannot write dies of it, and its writer raises the error again at its next event,
@@ -1899,10 +1900,6 @@ class Run:
         self.writer, self.progress = EventWriter(self.dir), progress
         if self.config.num_seeds > 1:
             self.writers = [EventWriter(self.dir / f"agent-{i}") for i in range(min(self.config.num_seeds, AGENT_WRITERS))]
-            try:
-                self.agents_file = open(self.dir / AGENTS_FILE, "ab")
-            except OSError as error:
-                raise naming(error, self.dir / AGENTS_FILE) from error
         if not self.resumed:  # the first event: the hyperparameters, as a table in TensorBoard's text tab
             table = "\n".join(["|parameter|value|", "|-|-|", f"|env_id|{self.env_id}|",
                                *(f"|{key}|{value}|" for key, value in dataclasses.asdict(self.config).items())])
@@ -1930,14 +1927,13 @@ class Run:
 
     def close(self) -> None:
         """Wait for the logging thread and close every writer, each once; raise the first error met."""
-        errors = []
-        for close in [self.logged, *(writer.close for writer in [self.writer, *self.writers] if writer),
-                      *([self.agents_file.close] if self.agents_file else [])]:
+        errors, closing = [], [self.logged, *(writer.close for writer in [self.writer, *self.writers] if writer)]
+        self.writer, self.writers = None, []
+        for close in closing:
             try:
                 close()
             except OSError as error:
-                errors.append(error if error.filename else naming(error, self.dir / AGENTS_FILE))
-        self.writer, self.writers, self.agents_file = None, [], None
+                errors.append(error)
         if errors:
             raise errors[0]
 
