@@ -39,7 +39,8 @@ What JAX changes about writing RL, as this page meets it:
   100 slots rather than in a list.
 * **The host is far away.** A compiled run cannot write a TensorBoard event or a checkpoint, and
   a Ctrl-C cannot reach it: the command line runs it a chunk (two seconds' worth of updates or so)
-  at a time and does those between.
+  at a time and does those between, taking back from the device one flag a chunk while a thread
+  of its own logs the last chunk as the next one computes.
 
 What to expect, measured on this project's 2-core CPU (the README has the commands and the
 figures): CartPole-v1's default run, 500,000 steps of 4 environments x 128 steps, traces and
@@ -53,7 +54,7 @@ agents side by side gain little from `vmap` (sixteen ran at 172,000 steps a seco
 `python benchmarks/learning_curves.py cartpole-jax` made the curve: sixteen agents of seed 1, the
 mean return of each one's last 100 episodes at 500 from about 360k steps on.
 Pendulum-v1 with its preset, observations and rewards normalised: twelve agents between -128 and
--166 after 1M steps each, each past -250 within 94,000 steps (Part 3 has the table).
+-166 after 1M steps each, each past -250 within 94,000 steps (`benchmarks/README.md` has the table).
 
 ![ppo_jax.py on Breakout-MinAtar: the mean return of the last 100 episodes of 4 agents, trained side by side in one compiled program, climbs to 35 at 2M steps, passes 40 at 5.3M and reaches 50.2 at 10M, the agents ending between 28.8 and 75.2; PureJaxRL's end, about 40, is drawn as a dashed line](benchmarks/results/minatar-breakout-jax.png)
 
@@ -101,6 +102,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import concurrent.futures
+import contextlib
 import dataclasses
 import fcntl
 import functools
@@ -119,7 +122,7 @@ import typing
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, NamedTuple
+from typing import Any, Callable, Iterable, Literal, NamedTuple
 
 import flax.linen as nn
 import flax.serialization
@@ -161,7 +164,7 @@ from tensorboard.summary.writer import event_file_writer
 # | `gamma`, `gae_lambda`, `ent_coef` | 0.99, 0.95, 0.01 | the same | the same | the same | all agree |
 # | `vf_coef` | 0.5 | 0.5 | 0.5 | 1 | theirs; with the $\frac12$ inside the value loss, the squared error weighs 0.25 (the paper's: 1) |
 # | `max_grad_norm`, Adam's $\epsilon$ | 0.5, 1e-5 | 0.5, 1e-5 | 0.5, 1e-5 | none, not given | baselines', kept by all three |
-# | value clipping (`clip_value_loss`) | at $\epsilon$; off in continuous control's preset | at 0.2 | at 0.2 | none | baselines', and so annealed with $\epsilon$ here; off where it measured worse (Pendulum, Part 3's presets) |
+# | value clipping (`clip_value_loss`) | at $\epsilon$; off in continuous control's preset | at 0.2 | at 0.2 | none | baselines', and so annealed with $\epsilon$ here; off where it measured worse (Pendulum: Part 3's presets, the runs in `benchmarks/README.md`) |
 #
 # "Annealed" means multiplied by $1 - k/N$ at update $k = 0, 1, \dots, N-1$ of $N$: the full value at
 # the first update, falling linearly to $1/N$ of it at the last (not to 0), in PureJaxRL, CleanRL and
@@ -1247,17 +1250,17 @@ OTHER_ENVS.append((lambda env_id: env_id in atari_ids(), AtariEnv))
 # ## Part 3: Running it for real
 #
 # Part 1's functions, run as a program: a command line derived from `Config`, which refuses what
-# cannot work before anything compiles or starts; the hardware choices; checkpoints; TensorBoard
-# events and a progress line; Ctrl-C; the training run (the program of `make_train`, run a chunk at
-# a time, on gymnax and Atari alike); evaluation; and `main()`.
+# cannot work before anything compiles or starts; the CPU's convolution; checkpoints; TensorBoard
+# events and a progress line, written by a thread of their own while the next chunk computes;
+# Ctrl-C; the training run (the program of `make_train`, run a chunk at a time, on gymnax and Atari
+# alike); evaluation and video; and `main()`.
 #
 # ### The command line
 #
 # The command line sets the fields of `Config` (and of Part 2's `AtariConfig`) and those of one
 # invocation: where the run's files go, how often it writes a checkpoint, which checkpoint to resume
-# or evaluate, and where JAX runs. `RunConfig` adds the second kind to the
-# first. A resumed run takes its hyperparameters from the checkpoint, but these from the command line
-# (or their defaults).
+# or evaluate, and where JAX runs. `RunConfig` adds the second kind to the first. A resumed run
+# takes its hyperparameters from the checkpoint, but these from the command line (or their defaults).
 
 
 @dataclass
@@ -1304,23 +1307,12 @@ RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.n
 # at 28.8 to 75.2 after 10M (`minatar-lr5e-4` and `minatar-breakout-jax` in `benchmarks/results/`).
 #
 # Pendulum's were found here, in the style of rl-zoo's (a short discount, large batches, ten epochs,
-# no entropy bonus): normalised, a rate of 3e-4 (the PPO paper's and CleanRL's for MuJoCo) and an
-# unclipped value loss measured best (a random policy scores about -1,200). Below, each agent's mean
-# return over its last 100 episodes after 1M steps, and the steps until an update's episodes first
-# averaged -250; each run four agents, `python ppo_jax.py --env Pendulum-v1 --num-seeds 4 --seed S`
-# (the first row: the `Normalizer` left out of `init`), on this project's 2-core CPU:
-#
-# | observations, rewards | rate | value loss | return of each agent, by seed | mean, by seed | steps to -250 (thousands) |
-# |---|---|---|---|---|---|
-# | raw | 1e-3 | clipped | -145, -156, -164, -154; -161, -133, -155, -159; -168, -159, -163, -175 | -154.8; -151.8; -166.2 | 319, 258, 229, 291; 229, 172, 238, 184; 274, 242, 344, 242 |
-# | normalised | 1e-3 | clipped | -149, -155, -586, -876; -158, -510, -150, -156 | -441.6; -243.7 | 356, 98, 803, 209; 98, never, 102, 90 |
-# | normalised | 1e-3 | not clipped | -142, -157, -807, -157; -154, -310, -152, -158; -173, -1049, -160, -171 | -315.8; -193.3; -388.2 | 57, 61, 131, 139; 70, never, 70, 70; 262, 209, 61, 283 |
-# | normalised | 3e-4 | clipped | -142, -158, -159, -160; -152, -127, -151, -158 | -154.8; -147.2 | 106, 131, 111, 152; 119, 106, 123, 115 |
-# | normalised | 3e-4 | not clipped (the preset) | -143, -156, -159, -156; -150, -128, -151, -157; -161, -154, -156, -166 | -153.6; -146.4; -159.4 | 94, 78, 78, 78; 78, 86, 78, 90; 86, 82, 70, 74 |
-#
-# At 1e-3, some normalised agents swing the pendulum round and round or lose what they had learned.
-# At 3e-4 all twenty learn and end where the raw agents end; unclipped, they reach -250 in about a
-# third of the raw agents' steps, and the clip, which changes little else, is left off.
+# no entropy bonus): observations and rewards normalised, a rate of 3e-4 (the PPO paper's and
+# CleanRL's for MuJoCo) and an unclipped value loss measured best. At 1e-3, some normalised agents
+# swung the pendulum round and round or lost what they had learned; at 3e-4 all twenty agents of
+# five runs learned and ended where agents without the `Normalizer` end (about -150 after 1M steps);
+# unclipped, they passed -250 in about a third of those agents' steps, and the clip, which changed
+# little else, is left off. `benchmarks/README.md` has the table of those runs.
 #
 # MountainCarContinuous-v0 learns nothing, raw or normalised (four runs of four agents): every agent
 # learned within 131,000 steps to push as little as it can (a return above -1, from about -40). Only a
@@ -1346,33 +1338,20 @@ PROG = Path(__file__).name
 def field_docs(cls: type) -> dict[str, str]:
     """The string literal under each field of a dataclass and of the dataclasses it extends, read from their source."""
     docs = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
-            continue
-        try:
-            source = textwrap.dedent(inspect.getsource(klass))
-        except (OSError, TypeError):
-            continue
-        body = ast.parse(source).body[0].body
+    for klass in reversed([klass for klass in cls.__mro__ if dataclasses.is_dataclass(klass)]):
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
         for node, following in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
-                    and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
-                docs[node.target.id] = " ".join(following.value.value.split())
+            if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
+                docs[node.target.id] = " ".join(str(following.value.value).split())
     return docs
 
 
-def parse_int(text: str) -> int:
-    """An integer, also written as `10_000_000` or `1e7`."""
-    try:
-        return int(text)
-    except ValueError:
-        value = float(text)
-        if not value.is_integer():
-            raise ValueError(text) from None
-        return int(value)
-
-
-parse_int.__name__ = "integer"
+def integer(text: str) -> int:
+    """An integer, also written as `10_000_000` or `1e7` (every count the command line takes is exact as a float)."""
+    value = float(text)
+    if not value.is_integer():
+        raise ValueError(text)
+    return int(value)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -1388,68 +1367,46 @@ def build_parser() -> argparse.ArgumentParser:
     Flags the user did not type are absent from the parsed namespace (`argparse.SUPPRESS`), so the
     presets and a resumed run's checkpoint can tell an explicit `--total-timesteps` from the default.
     """
-    parser = OneLineParser(prog=PROG,
-                           description="PPO in JAX, annotated. See the module docstring.",
+    parser = OneLineParser(prog=PROG, description="PPO in JAX, annotated. See the module docstring.",
                            argument_default=argparse.SUPPRESS)
-    docs = field_docs(RunConfig)
-    hints = typing.get_type_hints(RunConfig)
+    docs, hints = field_docs(RunConfig), typing.get_type_hints(RunConfig)
     for field in dataclasses.fields(RunConfig):
-        flag = "--" + field.name.replace("_", "-")
         kind = hints[field.name]
-        presets = "".join(f"; {family}: {preset[field.name]}" for family, preset in PRESETS.items()
-                          if field.name in preset)
-        help_text = f"{docs.get(field.name, '')} (default: {field.default}{presets})"
+        presets = "".join(f"; {family}: {preset[field.name]}" for family, preset in PRESETS.items() if field.name in preset)
+        options: dict[str, Any] = dict(help=f"{docs.get(field.name, '')} (default: {field.default}{presets})")
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
-            continue
-        if typing.get_origin(kind) is Literal:
-            parser.add_argument(flag, choices=typing.get_args(kind), help=help_text)
-            continue
-        if type(None) in typing.get_args(kind):
-            kind = next(t for t in typing.get_args(kind) if t is not type(None))
-        parser.add_argument(flag, type=parse_int if kind is int else kind, metavar=field.name.upper(),
-                            help=help_text)
+            options.update(action=argparse.BooleanOptionalAction)
+        elif typing.get_origin(kind) is Literal:
+            options.update(choices=typing.get_args(kind))
+        else:
+            kind = next(t for t in typing.get_args(kind) or [kind] if t is not type(None))  # `int | None` is an int
+            options.update(type=integer if kind is int else kind, metavar=field.name.upper())
+        parser.add_argument("--" + field.name.replace("_", "-"), **options)
     return parser
 
 
-# The range of every number on the command line, checked by `check_config`: (smallest, largest), both
-# allowed; `POSITIVE` as the smallest allows anything above 0. Every number must also be finite, and a
-# count of updates fit the 32-bit integers that JAX counts in.
-POSITIVE = math.ulp(0.0)
-LARGEST_COUNT = 2**31 - 1
+# Every number on the command line must be finite and in its range, (smallest, largest), both allowed
+# (`POSITIVE`: anything above 0); a count must fit the 32-bit integers that JAX counts in.
+POSITIVE, LARGEST_COUNT = math.ulp(0.0), 2**31 - 1
 NUMBER_RANGES: dict[str, tuple[float, float]] = {
-    **{name: (1, LARGEST_COUNT) for name in ["num_seeds", "num_envs", "num_steps", "num_minibatches",
-                                               "update_epochs", "frame_skip", "max_episode_frames",
-                                               "checkpoint_every", "eval_episodes"]},
-    "total_timesteps": (1, math.inf),
-    "noop_max": (0, LARGEST_COUNT),
-    "seed": (0, 2**32 - 1),
-    **{name: (POSITIVE, math.inf) for name in ["learning_rate", "clip_range", "max_grad_norm", "target_kl"]},
-    **{name: (0, 1) for name in ["gamma", "gae_lambda", "sticky_actions"]},
-    **{name: (0, math.inf) for name in ["ent_coef", "vf_coef"]},
+    **dict.fromkeys(["num_seeds", "num_envs", "num_steps", "num_minibatches", "update_epochs", "frame_skip",
+                     "max_episode_frames", "checkpoint_every", "eval_episodes"], (1, LARGEST_COUNT)),
+    "total_timesteps": (1, math.inf), "noop_max": (0, LARGEST_COUNT), "seed": (0, 2**32 - 1),
+    **dict.fromkeys(["learning_rate", "clip_range", "max_grad_norm", "target_kl"], (POSITIVE, math.inf)),
+    **dict.fromkeys(["gamma", "gae_lambda", "sticky_actions"], (0, 1)), **dict.fromkeys(["ent_coef", "vf_coef"], (0, math.inf)),
 }
 
 
-def check_number(name: str, value: float) -> None:
-    """Refuse `value` for the field `name` unless it is finite and in its range (`NUMBER_RANGES`)."""
-    smallest, largest = NUMBER_RANGES[name]
-    flag = "--" + name.replace("_", "-")
-    if not math.isfinite(value):
-        raise ConfigError(f"{flag} must be a finite number, not {value}")
-    if smallest <= value <= largest:
-        return
-    if largest not in (math.inf, LARGEST_COUNT):
-        raise ConfigError(f"{flag} must be in [{smallest}, {largest}], not {value}")
-    if value > largest:
-        raise ConfigError(f"{flag} must be at most {largest:,}, not {value:,}")
-    raise ConfigError(f"{flag} must {'not be negative' if smallest == 0 else 'be positive'}, not {value}")
-
-
 def check_config(config: RunConfig, family: str) -> None:
-    """Refuse settings that cannot work, before any process starts or anything compiles."""
-    for name in NUMBER_RANGES:
-        if getattr(config, name) is not None:
-            check_number(name, getattr(config, name))
+    """Refuse settings that cannot work, before anything compiles or starts."""
+    for name, (smallest, largest) in NUMBER_RANGES.items():
+        value, flag = getattr(config, name), "--" + name.replace("_", "-")
+        if value is not None and not math.isfinite(value):
+            raise ConfigError(f"{flag} must be a finite number, not {value}")
+        if value is not None and not smallest <= value <= largest:
+            must = (f"be in [{smallest}, {largest}]" if largest not in (math.inf, LARGEST_COUNT) else
+                    f"be at most {largest:,}" if value > largest else "not be negative" if smallest == 0 else "be positive")
+            raise ConfigError(f"{flag} must {must}, not {value}")
     if config.num_updates > LARGEST_COUNT:
         raise ConfigError(f"--total-timesteps {config.total_timesteps:,} makes {config.num_updates:,} updates, more "
                           f"than the {LARGEST_COUNT:,} that the run can count")
@@ -1471,8 +1428,8 @@ def check_config(config: RunConfig, family: str) -> None:
                           "environment, which vmap cannot copy for each agent; train one agent per process")
 
 
-# The environments this page trains on, by kind; each kind starts from its preset in Part 1. Any
-# other name is tried as an Atari game.
+# The environments this page trains on, by kind; each kind starts from its preset above. Any other
+# name is tried as an Atari game.
 GYMNAX_FAMILIES = {
     "CartPole-v1": "classic control", "Acrobot-v1": "classic control", "MountainCar-v0": "classic control",
     "Pendulum-v1": "continuous control", "MountainCarContinuous-v0": "continuous control",
@@ -1484,30 +1441,20 @@ GYMNAX_FAMILIES = {
 def resolve_env(name: str) -> tuple[str, str]:
     """The id and family of the environment named `name`, or a `ConfigError` suggesting close names.
 
-    gymnax ids are matched first, ignoring case; then Atari games, by full id or by short name
-    (`Breakout` is Atari's Breakout; MinAtar's is `Breakout-MinAtar`).
+    gymnax ids are matched ignoring case, then Atari games, by full id or by short name (`Breakout`
+    is Atari's Breakout; MinAtar's is `Breakout-MinAtar`).
     """
-    for env_id, family in GYMNAX_FAMILIES.items():
-        if env_id.lower() == name.lower():
-            return env_id, family
     ids = atari_ids()
-    if name in ids:
-        return name, "Atari"
     short_names = {env_id[4:-3]: env_id for env_id in ids
                    if env_id.startswith("ALE/") and env_id.endswith("-v5") and "-ram" not in env_id}
-    for short_name, env_id in short_names.items():
-        if short_name.lower() == name.lower():
-            return env_id, "Atari"
+    known = {**{short.lower(): (env_id, "Atari") for short, env_id in short_names.items()},
+             **{env_id.lower(): (env_id, family) for env_id, family in GYMNAX_FAMILIES.items()}}
+    if name in ids or name.lower() in known:
+        return (name, "Atari") if name in ids else known[name.lower()]
     close = difflib.get_close_matches(name, list(GYMNAX_FAMILIES) + list(short_names) + ids, n=3, cutoff=0.6)
     hint = (f"; did you mean {', '.join(close)}?" if close
             else "; names look like CartPole-v1, Breakout-MinAtar or Breakout (Atari)")
-    if not ids:
-        hint += " (Atari games need ale-py, which is not installed)"
-    raise ConfigError(f"unknown environment {name!r}{hint}")
-
-
-# Flags of earlier versions, and why they are gone: a script or a habit that still passes one is told so.
-REMOVED_FLAGS = {"--precision": "the networks compute in float32 on every device (Hardware choices, in the page)"}
+    raise ConfigError(f"unknown environment {name!r}{hint}" + ("" if ids else " (Atari games need ale-py, which is not installed)"))
 
 
 def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, str]:
@@ -1516,21 +1463,14 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
     A new run starts from its environment's preset; a resumed or evaluated run from the
     checkpoint's hyperparameters. Flags given on the command line override either.
     """
-    for flag, why in REMOVED_FLAGS.items():
-        if any(arg == flag or arg.startswith(flag + "=") for arg in (sys.argv[1:] if argv is None else argv)):
-            raise ConfigError(f"{flag} is gone: {why}")
     given = vars(build_parser().parse_args(argv))
-    checkpoint = None
-    base: dict[str, Any] = {}
-    path = given.get("resume") or given.get("eval")
+    checkpoint, path = None, given.get("resume") or given.get("eval")
     if path is not None and not (given.get("resume") and given.get("eval")):
         checkpoint = load_checkpoint(path)
-        fields = {f.name for f in dataclasses.fields(RunConfig)}
-        base = {k: v for k, v in checkpoint["config"].items() if k in fields and k not in RUN_OPTIONS}
-    env_id, family = resolve_env(given.get("env", base.get("env", RunConfig.env)))
-    if checkpoint is None:
-        base = PRESETS[family]
-    config = RunConfig(**{**base, **given})
+    fields = RunConfig.__dataclass_fields__.keys() - RUN_OPTIONS  # a resumed run's own options are its command line's
+    saved = {k: v for k, v in checkpoint["config"].items() if k in fields} if checkpoint else {}
+    env_id, family = resolve_env(given.get("env", saved.get("env", RunConfig.env)))
+    config = RunConfig(**{**(saved if checkpoint else PRESETS[family]), **given})
     check_config(config, family)
     if checkpoint is not None:
         trained_on, asked = checkpoint["env_id"], env_id
@@ -1538,12 +1478,10 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
             trained_on, asked = game_name(trained_on), game_name(env_id)
         if trained_on != asked:
             raise ConfigError(f"checkpoint {path} was trained on {trained_on}, not {asked}")
-    if config.resume is not None:
-        saved = checkpoint["config"]
-        for name in ["num_seeds", "num_envs", "num_steps"]:
-            if saved[name] != getattr(config, name):
-                raise ConfigError(f"a resumed run keeps its --{name.replace('_', '-')} ({saved[name]}): "
-                                  f"the checkpoint holds the state of exactly that many")
+    for name in ["num_seeds", "num_envs", "num_steps"] if config.resume is not None else []:
+        if saved[name] != getattr(config, name):
+            raise ConfigError(f"a resumed run keeps its --{name.replace('_', '-')} ({saved[name]}): the checkpoint "
+                              "holds the state of exactly that many")
     return config, checkpoint, env_id, family
 
 
@@ -1551,17 +1489,16 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
 #
 # Part 1 is written for every backend alike. Two things are chosen here for XLA's CPU backend:
 #
-# * **Convolutions as products of windows, on a CPU.** Inside a scan, XLA's CPU backend computes
-#   `nn.Conv`'s gradient with a generic, unoptimised kernel (jax-ml/jax issue 12868): with jaxlib
-#   0.10.2, a gradient step of the Nature CNN on 256 frames took 3.67 s inside a scan, 0.46 s outside
-#   it, and 0.13 s as products of windows (an earlier form of this layer). On a CPU the networks'
-#   convolution is therefore `PatchConv`, `nn.Conv` computed as one matrix product over its input's
-#   windows; a checkpoint moves between it and `nn.Conv` (`benchmarks/README.md`: the measurements).
+# * **Convolutions as products of windows, on a CPU: the one override.** Inside a scan, XLA's CPU
+#   backend computes `nn.Conv`'s gradient with a generic, unoptimised kernel (jax-ml/jax issue
+#   12868). Measured with jaxlib 0.10.2 on 2 cores of an AMD EPYC (issue 42), one iteration of PPO
+#   on Breakout (8 games x 128 steps, the default update) took 3.5 to 4.7 s with `PatchConv`; with
+#   `nn.Conv`, five of them had not ended after 17 minutes. So on a CPU the networks' convolution is
+#   `PatchConv`: `nn.Conv` computed as one matrix product over its input's windows, with the same
+#   parameters, so that a checkpoint moves between the two (a test holds them to the same function).
 # * **Agents initialised one at a time** (`sequential_vmap` in `make_train`): under `vmap`, jaxlib
 #   0.10.2's batched QR for the orthogonal initialisation can deadlock on the CPU (16 CartPole agents
 #   hung here). Each agent starts from the very weights it would start from alone (a test checks it).
-#
-# `choose_device` points JAX at the device asked for, before it computes anything.
 
 
 class PatchConv(nn.Conv):
@@ -1573,8 +1510,7 @@ class PatchConv(nn.Conv):
         (height, width), (row_stride, column_stride) = self.kernel_size, self.strides
         kernel = self.param("kernel", self.kernel_init, (height, width, x.shape[-1], self.features), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-        rows = (x.shape[-3] - height) // row_stride + 1
-        columns = (x.shape[-2] - width) // column_stride + 1
+        rows, columns = (x.shape[-3] - height) // row_stride + 1, (x.shape[-2] - width) // column_stride + 1
         windows = jnp.concatenate([x[..., i:i + row_stride * (rows - 1) + 1:row_stride,
                                      j:j + column_stride * (columns - 1) + 1:column_stride, :]
                                    for i in range(height) for j in range(width)], axis=-1)
@@ -1586,12 +1522,8 @@ def convolution_layer() -> Callable[..., nn.Module]:
     return PatchConv if jax.default_backend() == "cpu" else nn.Conv
 
 
-def choose_device(requested: str) -> str:
-    """Point JAX at the device asked for; the name of the device it will use.
-
-    Call it before JAX computes anything: choosing the CPU only works before JAX has started its
-    other backends.
-    """
+def choose_device(requested: str) -> None:
+    """Point JAX at the device asked for. Call it before JAX computes anything: the CPU can only be chosen then."""
     if requested == "cpu":
         jax.config.update("jax_platforms", "cpu")
     elif requested == "cuda":
@@ -1599,7 +1531,6 @@ def choose_device(requested: str) -> str:
             jax.config.update("jax_default_device", jax.devices("cuda")[0])
         except RuntimeError:
             raise ConfigError("--device cuda was asked for, but JAX finds no CUDA device") from None
-    return str(jax.devices()[0]).lower() if requested != "cuda" else str(jax.devices("cuda")[0]).lower()
 
 
 # ### Checkpoints
@@ -1608,8 +1539,10 @@ def choose_device(requested: str) -> str:
 # serialization: no pickle, so loading one runs no code from the file. For a gymnax run that is the
 # whole `Runner` of every agent, environment states included, so a resumed run continues exactly
 # where the first stopped, bit for bit. For Atari it is the same but for the games, which live in
-# C++ and restart, as in `ppo_atari.py`. Keys are stored as their raw `uint32` words (`jax.random.key_data`), and
-# arrays split over devices are gathered into one on the host first (`jax.device_get`).
+# C++ and restart, as in `ppo_atari.py`. Keys are stored as their raw `uint32` words
+# (`jax.random.key_data`), and arrays split over devices are gathered into one on the host first
+# (`jax.device_get`). A checkpoint is written to a temporary file of its writer's own (two writers
+# never meet in one), then renamed over the last: a crash or a full disk never leaves half a file.
 
 CHECKPOINT_FORMAT = "ppo_jax/1"
 
@@ -1629,12 +1562,7 @@ def checkpoint_state(config: Config, env_id: str, update: int, global_step: int,
 
 
 def save_checkpoint(state: dict, path: Path) -> None:
-    """Write `state` to `path` atomically: to a temporary file first, then renamed over it.
-
-    The temporary file's name is this writer's own (its process id and a random part), so that two
-    writers never meet in one. If the write fails (a full disk, say), the temporary file is removed,
-    whatever was at `path` stays as it was, and the `OSError` raised names `path`.
-    """
+    """Write `state` to `path` atomically; an `OSError` names `path`, and leaves whatever was there as it was."""
     temporary = path.with_name(f"{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
     try:
         with open(temporary, "xb") as file:
@@ -1644,9 +1572,7 @@ def save_checkpoint(state: dict, path: Path) -> None:
         os.replace(temporary, path)
     except BaseException as error:
         temporary.unlink(missing_ok=True)
-        if isinstance(error, OSError):
-            raise naming(error, path) from error
-        raise
+        raise naming(error, path) if isinstance(error, OSError) else error
 
 
 def naming(error: OSError, path: Path) -> OSError:
@@ -1670,42 +1596,34 @@ def load_checkpoint(path: str) -> dict:
                           f"({type(error).__name__})") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{path} is not a ppo_jax.py checkpoint")
-    for names in [("env_id",), ("update",), ("global_step",),
-                  *[("config", field.name) for field in dataclasses.fields(AtariConfig)], ("runners", "agent", "params")]:
+    for names in [("env_id",), ("update",), ("global_step",), *[("config", field.name) for field in
+                                                                  dataclasses.fields(AtariConfig)], ("runners", "agent", "params")]:
         node = checkpoint
         for name in names:
             if not isinstance(node, dict) or name not in node:
                 raise ConfigError(f"checkpoint {path} has no {'.'.join(names)}: it is damaged, or from another "
                                   f"version of {PROG}")
             node = node[name]
-    layers = checkpoint["runners"]["agent"]["params"].get("params", {})
-    if isinstance(layers, dict) and any(name.startswith("Convolution_") for name in layers):
-        raise ConfigError(f"checkpoint {path} was written before {PROG}'s convolutions became flax's nn.Conv, and "
-                          "holds their weights in another layout (Convolution_0/Dense_0); this version cannot "
-                          "load it: train again, or use the version that wrote it")
+    # One written before the ring of the last 100 returns existed resumes with an empty ring.
+    agents = checkpoint["config"]["num_seeds"]
+    checkpoint["runners"] = {"recent_returns": np.zeros((agents, SCORE_WINDOW), np.float32),
+                             "episodes": np.zeros(agents, np.int32), **checkpoint["runners"]}
     return checkpoint
 
 
-def with_episode_ring(runners: dict, agents: int) -> dict:
-    """A checkpoint's runners, with an empty ring of recent returns if it was written before the ring existed."""
-    if "recent_returns" in runners:
-        return runners
-    return {**runners, "recent_returns": np.zeros((agents, SCORE_WINDOW), np.float32),
-            "episodes": np.zeros(agents, np.int32)}
-
-
 def restore_tree(template: Any, state: Any, path: str) -> Any:
-    """The arrays of `state` (from a checkpoint) in the structure, shapes and types of `template`."""
+    """The arrays of `state` (from a checkpoint) in the structure, shapes and types of `template`.
+
+    A checkpoint of another network, or of this one laid out as an earlier version laid it out, is a `ConfigError`.
+    """
     try:
         restored = flax.serialization.from_state_dict(template, state)
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise ConfigError(f"checkpoint {path} holds a different network: {str(error).splitlines()[0]}") from None
-    mismatched = [f"{jax.tree_util.keystr(where)} is {np.shape(value)}, not {expected.shape}"
-                  for (where, value), expected in zip(jax.tree_util.tree_leaves_with_path(restored),
-                                                      jax.tree.leaves(template))
-                  if np.shape(value) != expected.shape]
-    if mismatched:
-        raise ConfigError(f"checkpoint {path} holds a different network: {mismatched[0]}")
+    for (where, value), expected in zip(jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(template)):
+        if np.shape(value) != expected.shape:
+            raise ConfigError(f"checkpoint {path} holds a different network: {jax.tree_util.keystr(where)} is "
+                              f"{np.shape(value)}, not {expected.shape}")
     return jax.tree.map(lambda value, expected: jnp.asarray(value, expected.dtype), restored, template)
 
 
@@ -1714,12 +1632,21 @@ def restore_tree(template: Any, state: Any, path: str) -> Any:
 # TensorBoard events are written with tensorboard's own event-file writer and protocol buffers, so
 # that this page needs neither TensorFlow nor PyTorch. The tags are CleanRL's; the `losses/` tags
 # are the terms `ppo_loss` returns, whatever they are. With many agents (`--num-seeds`), the run's
-# writer gets each tag's mean over them and their spread, and every agent's own series go to one
-# file (`log_chunk`): what the host does between chunks does not grow with the number of agents.
+# writer gets each tag's mean over them and their spread (`<tag>/min`, `<tag>/max`), every agent's
+# series go to one file, `agents.npys` (a `.npy` record a chunk, appended; `read_agent_series` reads
+# it), and the first 16 agents have writers of their own, in `agent-<i>/`.
+#
+# None of that may slow the run as the agents grow. Between two chunks the main thread takes a
+# single number from the device, whether the last chunk diverged, and hands that chunk's metrics,
+# still on the device, to a thread of their own, which copies them to the host, writes them and
+# shows the progress line while the next chunk computes (`log_chunk`). It logs one chunk at a time,
+# in order; what it could not write (an `OSError`: a full disk) is raised in the main thread when
+# the next chunk is handed to it. Before a checkpoint is written the run waits for the logs to be
+# on disk, so that a checkpoint never holds more of the run than its logs.
 
 
 class EventWriter:
-    """Scalars and text in a TensorBoard event file in `directory`.
+    """Summaries in a TensorBoard event file in `directory`.
 
     tensorboard's writer writes from a thread of its own. A write that fails there (on a full disk,
     say) comes back at the next event, or at `close`, as an `OSError` that names `directory`.
@@ -1727,99 +1654,121 @@ class EventWriter:
 
     def __init__(self, directory: Path):
         directory.mkdir(parents=True, exist_ok=True)
-        self.directory = directory
         # Looked up when used, not imported by name: `--track` replaces it with a writer that wandb watches.
-        self.writer = event_file_writer.EventFileWriter(str(directory))
+        self.directory, self.writer = directory, event_file_writer.EventFileWriter(str(directory))
 
-    def add_event(self, event: Event) -> None:
+    def add(self, step: int, **value) -> None:
+        """An event of one `Summary.Value(**value)`: `add(step, tag=..., simple_value=...)` is a scalar."""
         try:
-            self.writer.add_event(event)
+            self.writer.add_event(Event(summary=Summary(value=[Summary.Value(**value)]), step=int(step),
+                                        wall_time=time.time()))
         except OSError as error:
             raise naming(error, self.directory) from error
 
-    def add_scalar(self, tag: str, value: float, step: int) -> None:
-        summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
-        self.add_event(Event(summary=summary, step=int(step), wall_time=time.time()))
-
-    def add_text(self, tag: str, text: str) -> None:
-        """Markdown shown in TensorBoard's text tab, under `<tag>/text_summary` as PyTorch's writer names it."""
-        metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
-            plugin_name="text", content=TextPluginData(version=0).SerializeToString()))
-        tensor = TensorProto(dtype="DT_STRING", string_val=[text.encode()],
-                             tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)]))
-        summary = Summary(value=[Summary.Value(tag=f"{tag}/text_summary", metadata=metadata, tensor=tensor)])
-        self.add_event(Event(summary=summary, step=0, wall_time=time.time()))
-
-    def close(self) -> None:
+    def flush(self) -> None:
         try:
             self.writer.flush()  # raises what the thread could not write
         except OSError as error:
             raise naming(error, self.directory) from error
+
+    def close(self) -> None:
+        try:
+            self.flush()
         finally:
             self.writer.close()
 
 
 class Progress:
-    """One line on the terminal: steps done, speed, time left, recent returns.
+    """One line on the terminal: steps done, speed, time left, the agents' mean return of their last 100 episodes.
 
     On a terminal the line is redrawn at every `show`. In a log (stderr not a terminal) a new line
     is written when waiting for the next `show`, as long as since the last one, would leave more
-    than `interval` seconds since the last line: lines come at most `interval` seconds apart, if
-    `show` is called more often than that, and not much more often.
+    than 10 seconds since the last line: lines come at most 10 seconds apart, and not much more often.
     """
 
-    interval = 10.0
-
-    def __init__(self, total: int, start_step: int, agents: int = 1, unit: str = "games"):
+    def __init__(self, total: int, start_step: int, agents: int, unit: str):
         self.total, self.start_step, self.agents, self.unit = total, start_step, agents, unit
-        self.score = "-"
-        self.interactive = sys.stderr.isatty()
-        self.restart()
-
-    def score_of(self, recent_returns: np.ndarray, episodes: np.ndarray) -> None:
-        """The line's return: the agents' means of their last 100 episodes (the update's `recent_return`,
-        `[agents]`), averaged over the agents that finished one; `episodes`, how many each has finished."""
-        counted = np.minimum(episodes, SCORE_WINDOW)[episodes > 0]
-        if counted.size:
-            low, high = counted.min(), counted.max()
-            self.score = (f"{mean_over_agents(recent_returns):.1f} "
-                          f"(mean of last {low if low == high else f'{low}-{high}'} {self.unit})")
-
-    def restart(self) -> None:
-        """Count speed from now on (after compiling, say)."""
+        self.score, self.interactive = "-", sys.stderr.isatty()
         self.started = self.last_print = self.last_show = time.perf_counter()
-
-    def steps_per_second(self, step: int) -> float:
-        """Environment steps per second, summed over all agents."""
-        return (step - self.start_step) * self.agents / max(time.perf_counter() - self.started, 1e-9)
 
     def show(self, step: int, final: bool = False) -> None:
         now = time.perf_counter()
-        next_show = now + (now - self.last_show)
-        self.last_show = now
-        if not (self.interactive or final or next_show - self.last_print > self.interval):
+        next_show, self.last_show = now + (now - self.last_show), now
+        if not (self.interactive or final or next_show - self.last_print > 10):
             return
         self.last_print = now
-        sps = self.steps_per_second(step)
-        left = (self.total - step) * self.agents / sps if sps > 0 else float("inf")
+        sps = (step - self.start_step) * self.agents / max(now - self.started, 1e-9)
+        left = (self.total - step) * self.agents / sps if sps > 0 else math.inf
+        left = "?" if not math.isfinite(left) else (f"{int(left) // 3600}h{int(left) % 3600 // 60:02d}m" if left >= 3600
+                                                    else f"{int(left) // 60}m{int(left) % 60:02d}s")
         agents = f" x {self.agents} agents" if self.agents > 1 else ""
-        line = (f"step {step:,}/{self.total:,}{agents} ({100 * step / self.total:.1f}%) | {sps:,.0f} SPS | "
-                f"{format_duration(left)} left | return {self.score}")
-        end = "\n" if final or not self.interactive else ""
-        print(("\r\033[K" if self.interactive else "") + line, end=end, file=sys.stderr, flush=True)
+        print(("\r\033[K" if self.interactive else "") + f"step {step:,}/{self.total:,}{agents} "
+              f"({100 * step / self.total:.1f}%) | {sps:,.0f} SPS | {left} left | return {self.score}",
+              end="\n" if final or not self.interactive else "", file=sys.stderr, flush=True)
 
 
-def format_duration(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    minutes, seconds = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+AGENT_WRITERS = 16
+AGENTS_FILE = "agents.npys"
 
 
-def hyperparameter_table(config: Config, env_id: str) -> str:
-    rows = [f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items()]
-    return "|parameter|value|\n|-|-|\n" + "\n".join([f"|env_id|{env_id}|"] + rows)
+def log_chunk(run: Run, metrics: dict, episodes: jax.Array, count: int, first_update: int, sps: float) -> None:
+    """Log the first `count` updates of a chunk's `metrics`, `[length, agents]` and still on the device, and show the
+    progress line; `episodes`, `[agents]`, is how many each agent has finished. An episode's tags are written where
+    an episode ended, the others at every update."""
+    metrics, episodes = jax.tree.map(lambda value: value[:count], jax.device_get(metrics)), np.asarray(episodes)
+    steps = (first_update + 1 + np.arange(count)) * run.config.batch_size
+    ended = metrics["episodes"] > 0
+    tags = {"charts/learning_rate": metrics["learning_rate"], "charts/clip_range": metrics["clip_range"],
+            **{f"losses/{name}": value for name, value in metrics["losses"].items()},
+            "charts/episodic_return": metrics["episodic_return"], "charts/episodic_length": metrics["episodic_length"],
+            "charts/episodic_return_last_100": metrics["recent_return"]}
+    for tag, values in tags.items():
+        every = not tag.startswith("charts/episodic")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # no agent with a value (no episode yet): NaN
+            spread = {"": np.nanmean(values, axis=1), "/min": np.nanmin(values, axis=1), "/max": np.nanmax(values, axis=1)}
+        for index in range(count) if every else np.flatnonzero(ended.any(axis=1)):
+            for suffix, value in list(spread.items())[:1 if values.shape[1] == 1 else 3]:
+                run.writer.add(steps[index], tag=tag + suffix, simple_value=value[index])
+        for agent, writer in enumerate(run.writers):
+            for index in range(count) if every else np.flatnonzero(ended[:, agent]):
+                writer.add(steps[index], tag=tag, simple_value=values[index, agent])
+    run.writer.add(steps[-1], tag="charts/SPS", simple_value=sps)
+    if run.config.num_seeds > 1:
+        leaves = {jax.tree_util.keystr(where, simple=True, separator="/"): value
+                  for where, value in jax.tree_util.tree_leaves_with_path(metrics)}
+        records = np.zeros(count, [("step", np.int64), *((name, value.dtype, value.shape[1:])
+                                                         for name, value in leaves.items())])
+        for name, value in {"step": steps, **leaves}.items():
+            records[name] = value
+        record = io.BytesIO()
+        np.save(record, records)
+        try:
+            with open(run.dir / AGENTS_FILE, "ab") as file:
+                file.write(record.getvalue())  # in one piece: a crash leaves whole records, at worst a torn last one
+        except OSError as error:
+            raise naming(error, run.dir / AGENTS_FILE) from error
+    counted = np.minimum(episodes, SCORE_WINDOW)[episodes > 0]
+    if counted.size:
+        low, high = counted.min(), counted.max()
+        run.progress.score = (f"{np.nanmean(metrics['recent_return'][-1][episodes > 0]):.1f} (mean of last "
+                              f"{low if low == high else f'{low}-{high}'} {run.progress.unit})")
+    run.progress.show(int(steps[-1]))
+
+
+def read_agent_series(path: str | Path) -> dict[str, np.ndarray]:
+    """Every agent's series from a run's `AGENTS_FILE`: `{"step": [updates], "losses/policy_loss": [updates, agents],
+    "episodic_return": ..., ...}`; a step written twice (a resumed run's) is read as last written."""
+    data = Path(path).read_bytes()
+    stream, chunks = io.BytesIO(data), []
+    while stream.tell() < len(data):
+        try:
+            chunks.append(np.load(stream))
+        except (ValueError, EOFError):
+            break  # a last record torn by a crash
+    records = np.concatenate(chunks)
+    _, last = np.unique(records["step"][::-1], return_index=True)
+    return {name: records[len(records) - 1 - last][name] for name in records.dtype.names}
 
 
 # ### Ctrl-C and SIGTERM
@@ -1827,111 +1776,62 @@ def hyperparameter_table(config: Config, env_id: str) -> str:
 # Before training begins there is nothing to save, and Ctrl-C (or SIGTERM) exits at once. During
 # training, the first asks the run to stop at the next safe point, the end of the chunk being
 # computed (two seconds or so away: see `train_compiled`), where it writes a checkpoint and exits; a
-# second aborts at once and writes none. The exit status is 128 plus the signal's number, 130 for
-# Ctrl-C and 143 for SIGTERM, and the message names the last checkpoint, one that exists, or says
-# that none was written.
+# second aborts at once and writes none, once a checkpoint being written is whole. The exit status
+# is 128 plus the signal's number, 130 for Ctrl-C and 143 for SIGTERM, and the message names the
+# last checkpoint, one that exists, or says that none was written, as `ppo_atari.py`'s and
+# `vpg_continuous.py`'s do.
 #
 # Python runs a signal's handler between two steps of the main thread's bytecode, and this script's
 # main thread spends its time inside XLA, compiling for many seconds or waiting for a chunk of the
-# run, where no bytecode runs: a handler would wait for XLA to be done. So the handler here does
+# run, where no bytecode runs: a handler would wait for XLA to be done. So the handlers here do
 # nothing, and a thread does the work. Python writes the number of every signal it receives to a
 # pipe (`signal.set_wakeup_fd`); the thread waits on the pipe and is woken at once, since XLA lets
 # go of Python's lock while it works. To exit at once the thread calls `os._exit`, which raises
 # nothing: an exception from a handler (`KeyboardInterrupt`) lands wherever the main thread happens
 # to be, and inside a finalizer Python can only print it as "Exception ignored" and go on.
-#
-# What to do with a signal is decided as in `ppo_atari.py` and `vpg_continuous.py`, by the same
-# `StopRequest`, word for word (a test holds the three to it); only how it hears a signal and how
-# it aborts are this script's own, in `SignalThread`.
 
 
-class StopRequest:
-    """Ctrl-C (SIGINT) and SIGTERM for the life of a run: a request to stop at the next safe point, or an abort.
+class Signals:
+    """Ctrl-C (SIGINT) and SIGTERM, heard by a thread of their own while the `with` block runs.
 
-    Before `training` is set, a signal aborts the run at once: nothing is trained yet, so nothing is
-    lost. Once it is, the first signal sets the request (`stop()` is then true, and the run writes
-    a checkpoint at the next safe point and exits), and a second one aborts at once, unless it comes
-    within `same_within` seconds of the first: under torchrun a terminal's Ctrl-C reaches each rank
-    twice, from the terminal and passed on by torchrun, and the two are one request. All three
-    scripts of this project decide alike, with this class; how a signal reaches `handle` and what
-    an abort does are `__enter__` and `abort`, which a script may make its own.
-    """
-
-    def __init__(self, announce: bool = True, same_within: float = 0.0):
-        self.signal: int | None = None
-        self.received = 0.0
-        self.training = False
-        self.announce, self.same_within = announce, same_within
-
-    def __call__(self) -> bool:
-        return self.signal is not None
-
-    def handle(self, signum: int) -> None:
-        if self.training and self.signal is None:
-            self.signal, self.received = signum, time.monotonic()
-            if self.announce:
-                print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
-                      "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
-        elif not self.training or time.monotonic() - self.received >= self.same_within:
-            self.abort("aborted by a second interrupt" if self.training else "interrupted before training began",
-                       signum)
-
-    def abort(self, why: str, signum: int) -> None:
-        """End the run at once: an `Aborted` raised in the main thread, which unwinds it."""
-        raise Aborted(why, signum)
-
-    def __enter__(self) -> StopRequest:
-        self.previous = {sig: signal.signal(sig, lambda signum, frame: self.handle(signum))
-                         for sig in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-
-class SignalThread(StopRequest):
-    """`StopRequest`, heard by a thread of its own, with an abort that ends the process from there.
-
-    While XLA compiles or runs a chunk, the main thread is in C++ for seconds at a time, and a
-    Python signal handler waits until it comes back. So the handlers here only wake a thread
-    (`signal.set_wakeup_fd` writes each signal's number into a pipe it reads), and that thread
-    decides. An abort cannot raise into the main thread from there: it names `last_checkpoint()`
-    and exits the process, after waiting for a checkpoint being written (while `writing` is held)
-    to be whole.
+    Once `training` is set, the first signal becomes `requested`: the run stops at its next safe
+    point. Any other ends the process at once, naming `last_checkpoint()`, after a checkpoint being
+    written (while `writing` is held) is whole.
     """
 
     def __init__(self):
-        super().__init__()
+        self.requested, self.training, self.writing = None, False, threading.Lock()
         self.last_checkpoint: Callable[[], Path | None] = lambda: None
-        self.writing = threading.Lock()
 
-    def __enter__(self) -> SignalThread:
-        self.previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    def __enter__(self) -> Signals:
+        self.handlers = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGINT, signal.SIGTERM)}
         self.pipe = os.pipe()
         os.set_blocking(self.pipe[1], False)
-        self.previous_wakeup = signal.set_wakeup_fd(self.pipe[1])
-        self.watcher = threading.Thread(target=self._watch, name="signals", daemon=True)
-        self.watcher.start()
+        self.wakeup = signal.set_wakeup_fd(self.pipe[1])
+        self.listener = threading.Thread(target=self.listen, name="signals", daemon=True)
+        self.listener.start()
         return self
 
-    def _watch(self) -> None:
-        while (received := os.read(self.pipe[0], 1)) != b"\0":  # a zero byte: `__exit__` asks the thread to end
-            self.handle(received[0])
-
-    def abort(self, why: str, signum: int) -> None:
-        with self.writing:
-            last = self.last_checkpoint()
-            print(f"\n{why}: no checkpoint written now; " + (f"the last one is {last}" if last else "none was written"),
-                  file=sys.stderr, flush=True)
-            os._exit(128 + signum)
+    def listen(self) -> None:
+        while (signum := os.read(self.pipe[0], 1)[0]) != 0:  # a zero byte: `__exit__` asks the thread to end
+            if self.training and self.requested is None:
+                self.requested = signum
+                print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
+                      "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+                continue
+            with self.writing:
+                last = self.last_checkpoint()
+                print(f"\n{'aborted by a second interrupt' if self.training else 'interrupted before training began'}"
+                      f": no checkpoint written now; {f'the last one is {last}' if last else 'none was written'}",
+                      file=sys.stderr, flush=True)
+                os._exit(128 + signum)
 
     def __exit__(self, *exc_info) -> None:
-        signal.set_wakeup_fd(self.previous_wakeup)
-        super().__exit__(*exc_info)
+        signal.set_wakeup_fd(self.wakeup)
+        for sig, handler in self.handlers.items():
+            signal.signal(sig, handler)
         os.write(self.pipe[1], b"\0")
-        self.watcher.join()
+        self.listener.join()
         for end in self.pipe:
             os.close(end)
 
@@ -1949,184 +1849,123 @@ class SignalThread(StopRequest):
 # | a file could not be written (a full disk) | 1 | `ppo_jax.py: error: no space left on device while writing PATH; ...` |
 #
 # Two runs must not share a directory: they would write over each other's checkpoint. Each run
-# holds a lock on its directory (`lock_run_dir`) for as long as it lives, and a second run there is
-# refused; so is a run resumed from one checkpoint into a directory that holds another.
-
-
-def lock_run_dir(directory: Path) -> typing.IO:
-    """Lock `directory` for this process (`directory/run.lock`, held while the file returned is open), or raise.
-
-    The lock is `flock`'s, which the system lets go of when its holder exits, however it exits: a
-    run that crashed or was killed leaves nothing to clean up. The file holds the holder's process
-    id, which the error names.
-    """
-    file = open(directory / "run.lock", "a+")
-    try:
-        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        file.seek(0)
-        holder = file.read().strip() or "unknown"
-        file.close()
-        raise ConfigError(f"{directory} is in use by another run (process {holder})") from None
-    file.truncate(0)
-    file.write(f"{os.getpid()}\n")
-    file.flush()
-    return file
+# holds a lock on its directory (`run.lock`, `flock`'s, which the system lets go of however its
+# holder exits) for as long as it lives, and a second run there is refused, naming the first's
+# process; so is a run resumed from one checkpoint into a directory that holds another.
 
 
 class Run:
-    """The run directory, its lock, TensorBoard writers and checkpoint, and how a run ends."""
+    """A training run's directory and its lock, its writers and the thread that logs, its checkpoint and tracking."""
 
-    def __init__(self, config: RunConfig, env_id: str, checkpoint: dict | None, stop: SignalThread):
-        if checkpoint is not None:
-            self.dir = Path(config.run_dir or Path(config.resume).parent)
-        elif config.run_dir:
-            self.dir = Path(config.run_dir)
-        else:
-            name = gym.spec(env_id).name if env_id not in GYMNAX_FAMILIES else env_id
-            self.dir = Path("runs") / f"{name}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
-        self.checkpoint_path = self.dir / "checkpoint.msgpack"
+    def __init__(self, config: RunConfig, env_id: str, checkpoint: dict | None, signals: Signals):
+        name = env_id if env_id in GYMNAX_FAMILIES else gym.spec(env_id).name
+        self.dir = Path(config.run_dir or (Path(config.resume).parent if checkpoint else
+                                           Path("runs") / f"{name}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"))
+        self.config, self.env_id, self.resumed, self.signals = config, env_id, checkpoint is not None, signals
+        self.checkpoint_path, self.tracking, self.logger, self.logging = self.dir / "checkpoint.msgpack", None, None, None
+        self.writer, self.writers = None, []
+        if self.checkpoint_path.exists() and not (checkpoint and self.checkpoint_path.samefile(config.resume)):
+            raise ConfigError(f"{self.dir} already holds a checkpoint{f' of another run than {config.resume}' if checkpoint else ''}; "
+                              f"resume it with --resume {self.checkpoint_path} or choose another --run-dir")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise ConfigError(f"cannot create the run directory {self.dir}: {error.strerror}") from None
-        self.lock = lock_run_dir(self.dir)
-        if self.checkpoint_path.exists() and (checkpoint is None or not self.checkpoint_path.samefile(config.resume)):
-            other = "" if checkpoint is None else f" of another run than {config.resume}"
+        self.lock = open(self.dir / "run.lock", "a+")
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.lock.seek(0)
+            holder = self.lock.read().strip()
             self.lock.close()
-            raise ConfigError(f"{self.dir} already holds a checkpoint{other}; resume it with --resume "
-                              f"{self.checkpoint_path} or choose another --run-dir")
-        self.config, self.env_id, self.resumed = config, env_id, checkpoint is not None
-        if checkpoint is not None:  # once the directory is known to be this run's
-            print(f"resumed at step {checkpoint['global_step']:,} (update {checkpoint['update']}) from {config.resume}",
-                  file=sys.stderr)
-        self.stop = stop
-        stop.last_checkpoint = self.last_checkpoint
+            raise ConfigError(f"{self.dir} is in use by another run (process {holder})") from None
+        self.lock.truncate(0)
+        self.lock.write(f"{os.getpid()}\n")
+        self.lock.flush()
+        signals.last_checkpoint = self.last_checkpoint
         # The run ends after its last whole batch, as CleanRL's and PureJaxRL's do: say so if that is short.
-        self.total_steps = config.num_updates * config.batch_size
-        if self.total_steps != config.total_timesteps:
+        if config.num_updates * config.batch_size != config.total_timesteps:
             print(f"--total-timesteps {config.total_timesteps:,} is not a whole number of batches of "
                   f"{config.batch_size:,} steps: the run ends after {config.num_updates:,} updates, at "
-                  f"{self.total_steps:,} steps", file=sys.stderr)
-        self.writer: EventWriter | None = None
-        self.writers: list[EventWriter] = []
-        self.agents_file: typing.BinaryIO | None = None
-        self.tracking = None
+                  f"{config.num_updates * config.batch_size:,} steps", file=sys.stderr)
 
-    def open_writers(self) -> None:
-        """The run's writer and, for several agents, the file of every agent's series and a writer for each of
-        the first `AGENT_WRITERS`, in `agent-<i>/` (see `log_chunk`)."""
+    def open_writers(self, progress: Progress) -> None:
+        """The run's writer and, for several agents, the first `AGENT_WRITERS`' own; the logging thread."""
         if self.config.track:  # before the writers, so that wandb sees their events
             self.tracking = start_tracking(self.config, self.dir.name)
-        threads = set(threading.enumerate())
-        self.writer = EventWriter(self.dir)
-        if self.config.num_seeds > 1:
-            self.writers = [EventWriter(self.dir / f"agent-{i}") for i in range(min(self.config.num_seeds,
-                                                                                    AGENT_WRITERS))]
-            try:
-                self.agents_file = open(self.dir / AGENTS_FILE, "ab")
-            except OSError as error:
-                raise naming(error, self.dir / AGENTS_FILE) from error
-        self.writer_threads = set(threading.enumerate()) - threads
+        # A writer's thread that cannot write dies of it, and its writer raises the error again at its next event,
+        # where the run reports it in one line: Python's traceback of the thread's death is left out.
         self.excepthook = threading.excepthook
-        threading.excepthook = self.writer_thread_failed
-        if not self.resumed:
-            self.writer.add_text("hyperparameters", hyperparameter_table(self.config, self.env_id))
+        threading.excepthook = lambda args: None if issubclass(args.exc_type, OSError) else self.excepthook(args)
+        self.writer, self.progress = EventWriter(self.dir), progress
+        if self.config.num_seeds > 1:
+            self.writers = [EventWriter(self.dir / f"agent-{i}") for i in range(min(self.config.num_seeds, AGENT_WRITERS))]
+        if not self.resumed:  # the first event: the hyperparameters, as a table in TensorBoard's text tab
+            table = "\n".join(["|parameter|value|", "|-|-|", f"|env_id|{self.env_id}|",
+                               *(f"|{key}|{value}|" for key, value in dataclasses.asdict(self.config).items())])
+            self.writer.add(0, tag="hyperparameters/text_summary", tensor=TensorProto(
+                dtype="DT_STRING", string_val=[table.encode()], tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)])),
+                metadata=SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
+                    plugin_name="text", content=TextPluginData(version=0).SerializeToString())))
+        self.logger = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="logging")
 
-    def writer_thread_failed(self, args: typing.Any) -> None:
-        """A writer's thread that fails to write (on a full disk, say) dies of it, and its writer raises the
-        error again at its next event: the run reports it there, in one line. Python's report of it, a
-        traceback, is left out."""
-        if not (args.thread in self.writer_threads and issubclass(args.exc_type, OSError)):
-            self.excepthook(args)
+    def log(self, *chunk) -> None:
+        """Hand a chunk to the logging thread (`log_chunk`) once it is done with the last; raise what that raised."""
+        self.logged()
+        self.logging = self.logger.submit(log_chunk, self, *chunk)
 
-    def close_writers(self) -> None:
-        """Close every writer, once; then raise the first error that closing one raised."""
-        writers = [writer for writer in [self.writer, *self.writers] if writer is not None]
+    def logged(self) -> None:
+        logging, self.logging = self.logging, None
+        if logging is not None:
+            logging.result()
+
+    def flush(self) -> None:
+        """Wait for the logging thread and for the writers' threads; raise what either could not write."""
+        self.logged()
+        for writer in [self.writer, *self.writers]:
+            writer.flush()
+
+    def close(self) -> None:
+        """Wait for the logging thread and close every writer, each once; raise the first error met."""
+        errors, closing = [], [self.logged, *(writer.close for writer in [self.writer, *self.writers] if writer)]
         self.writer, self.writers = None, []
-        errors = []
-        if self.agents_file is not None:
+        for close in closing:
             try:
-                self.agents_file.close()
-            except OSError as error:
-                errors.append(naming(error, self.dir / AGENTS_FILE))
-            self.agents_file = None
-        for writer in writers:
-            try:
-                writer.close()
+                close()
             except OSError as error:
                 errors.append(error)
-        if writers:
-            threading.excepthook = self.excepthook
         if errors:
             raise errors[0]
 
+    def end(self) -> None:
+        """Whatever the run's end: close quietly (an error is reported already, or less than one that was), then
+        let go of the logging thread, the tracking, the hook and the lock."""
+        with contextlib.suppress(OSError):
+            self.close()
+        if self.logger is not None:
+            self.logger.shutdown()
+        if self.tracking is not None:
+            self.tracking, tracking = None, self.tracking
+            tracking.finish()
+        threading.excepthook = getattr(self, "excepthook", threading.excepthook)
+        self.lock.close()
+
     def last_checkpoint(self) -> Path | None:
         """The newest checkpoint of this run that exists: its own, else the one it resumed from, else none."""
-        for path in [self.checkpoint_path, self.config.resume]:
-            if path is not None and Path(path).is_file():
-                return Path(path)
-        return None
+        return next((Path(path) for path in [self.checkpoint_path, self.config.resume]
+                     if path is not None and Path(path).is_file()), None)
 
     def write_checkpoint(self, state: dict) -> None:
-        """Write `state` as the run's checkpoint, if every number in it is finite; else raise a `DivergedError`.
-
-        A second Ctrl-C that comes meanwhile takes effect once the checkpoint is whole.
-        """
+        """Write `state` as the run's checkpoint, if every number in it is finite; else raise a `DivergedError`."""
         arrays = [leaf for leaf in jax.tree.leaves(state) if isinstance(leaf, np.ndarray)]
         if not all(np.isfinite(array).all() for array in arrays if np.issubdtype(array.dtype, np.inexact)):
-            raise DivergedError(f"the state of update {state['update']} holds NaN or infinite numbers, and was "
-                                "not saved")
-        with self.stop.writing:
+            raise DivergedError(f"the state of update {state['update']} holds NaN or infinite numbers, and was not saved")
+        with self.signals.writing:  # a second Ctrl-C meanwhile takes effect once the checkpoint is whole
             save_checkpoint(state, self.checkpoint_path)
-
-    def finish(self, loop: Callable[[StopRequest], None], save: Callable[[], None],
-               counters: Callable[[], tuple[int, int]]) -> int:
-        """Run `loop` until it ends or a stop is requested, save, and report; the exit status."""
-        self.stop.training = True
-        try:
-            loop(self.stop)
-            save()
-            self.close_writers()
-            update, global_step = counters()
-            if self.stop():
-                print(f"stopped at update {update}; resume with --resume {self.checkpoint_path}", file=sys.stderr)
-                return 128 + self.stop.signal
-            print(f"done: {global_step:,} steps; checkpoint in {self.checkpoint_path}", file=sys.stderr)
-            return 0
-        except DivergedError as error:
-            last = self.last_checkpoint()
-            print(f"\n{error}; " + (f"the last good checkpoint is {last}" if last else "no checkpoint was written"),
-                  file=sys.stderr)
-            return 1
-        except OSError as error:
-            # A file of the run could not be written, on a full disk, say; what was written before is whole.
-            reason = error.strerror[0].lower() + error.strerror[1:] if error.strerror else str(error)
-            last = self.last_checkpoint()
-            print(f"\n{PROG}: error: {reason} while writing {error.filename}; "
-                  + (f"the last checkpoint is {last}" if last else "none was written"), file=sys.stderr)
-            return 1
-        finally:
-            try:
-                self.close_writers()
-            except OSError:
-                pass  # reported above, or less than what was
-            if self.tracking is not None:
-                self.tracking.finish()
-            self.lock.close()
 
 
 class DivergedError(RuntimeError):
     """The run diverged (see `diverged`, Part 1): nothing from that point on was kept."""
-
-    @classmethod
-    def at(cls, update: int, largest_step: float, agent: int | None = None) -> DivergedError:
-        """The error of an update that diverged, from its metrics: which update, which agent and why."""
-        why = (f"a step would have moved the weights by {largest_step:.3g} in root mean square, more than "
-               f"{MAX_STEP_RMS:g}" if largest_step > MAX_STEP_RMS
-               else "the loss or the parameters became NaN or infinite")
-        agent_words = "" if agent is None else f" (agent {agent})"
-        return cls(f"diverged at update {update}{agent_words}: {why}; no step was taken from there on")
 
 
 def agent_keys(config: Config) -> jax.Array:
@@ -2134,178 +1973,110 @@ def agent_keys(config: Config) -> jax.Array:
     return jax.random.split(jax.random.key(config.seed), config.num_seeds)
 
 
-# The compiled chunks of a gymnax run: about this long each, and never more updates than this.
+# The compiled chunks of a run: about this long each, and never more updates than this.
 CHUNK_SECONDS = 2.0
 LONGEST_CHUNK = 1000
 
 
-def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, stop: SignalThread) -> int:
-    """Train `num_seeds` agents (on Atari, one): `make_train`'s program, a chunk of the run at a time.
+def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, signals: Signals) -> int:
+    """Train `num_seeds` agents (on Atari, one): `make_train`'s program, a chunk of the run at a time; the exit status.
 
-    A chunk is some updates of every agent, `train_chunk` under `vmap`; between chunks the run
-    logs, shows its progress, saves a checkpoint every `--checkpoint-every` updates and looks for a
-    stop request. A call of a compiled program returns before the program has run, so the next
-    chunk starts as soon as the last one's metrics are in, and the host logs while the device
-    computes. Chunks are sized by time, so that the progress line moves and Ctrl-C is answered
-    within `CHUNK_SECONDS` or so, whatever an update costs (on a 2-core CPU a MinAtar update takes a
-    second, a CartPole update 4 ms): the first is one update, each next one as many as fit in
-    `CHUNK_SECONDS` at the last one's speed. One program, compiled for `length` updates, serves them
-    all: a shorter chunk skips the rest of its scan (see `train_chunk`). (Not `jax.debug.callback`
-    after every update: JAX's persistent compilation cache refuses a program with a host callback.)
+    A chunk is some updates of every agent, `train_chunk` under `vmap`. A call of a compiled program
+    returns before the program has run, so the next chunk starts as soon as the last one is known
+    not to have diverged, and the last one is logged while the next computes. Between chunks the
+    run saves a checkpoint every `--checkpoint-every` updates (and records an episode, with
+    `--capture-video`) and looks for a stop request. Chunks are sized by time, so that the progress
+    line moves and Ctrl-C is answered within `CHUNK_SECONDS` or so, whatever an update costs (on a
+    2-core CPU a MinAtar update takes a second, a CartPole update 4 ms): the first is one update,
+    each next one as many as fit in `CHUNK_SECONDS` at the last one's speed. One program, compiled
+    for `length` updates, serves them all: a shorter chunk skips the rest of its scan (see
+    `train_chunk`). (Not `jax.debug.callback` after every update: JAX's persistent compilation cache
+    refuses a program with a host callback.)
     """
     choose_device(config.device)
-    run = Run(config, env_id, checkpoint, stop)
-    training = make_train(config, env_id, convolution_layer())
-    keys = agent_keys(config)
-    if checkpoint is None:
-        runners = jax.jit(jax.vmap(training.init))(keys)
-    else:
-        template = jax.eval_shape(lambda keys: storable(jax.vmap(training.init)(keys)), keys)
-        runners = restore_tree(template, with_episode_ring(checkpoint["runners"], config.num_seeds), config.resume)
-        runners = runners._replace(key=jax.random.wrap_key_data(runners.key))
-        if isinstance(training.env, AtariEnv):
-            # The games were not saved (see `storable`): new ones begin, from seeds of the update reached.
+    run = Run(config, env_id, checkpoint, signals)
+    try:
+        training = make_train(config, env_id, convolution_layer())
+        keys, atari = agent_keys(config), isinstance(training.env, AtariEnv)
+        if checkpoint is not None and atari:  # its games were not saved (see `storable`): new ones, from the update's seeds
             keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, checkpoint["update"])
-            games = jax.jit(jax.vmap(training.init))(keys)
-            runners = runners._replace(env_state=games.env_state, obs=games.obs,
-                                       episode_returns=games.episode_returns, episode_lengths=games.episode_lengths)
-    # Place the agents over the devices; everything computed from them stays where they are.
-    mesh = seed_mesh(config.num_seeds)
-    runners = jax.device_put(runners, split_over_seeds(mesh))
-    update = int(runners.update[0])
-    progress = Progress(run.total_steps, update * config.batch_size, config.num_seeds,
-                        unit="games" if isinstance(training.env, AtariEnv) else "episodes")
+        runners = jax.jit(jax.vmap(training.init))(keys)
+        if checkpoint is not None:
+            restored = restore_tree(storable(runners), checkpoint["runners"], config.resume)
+            games = runners if atari else restored
+            runners = restored._replace(key=jax.random.wrap_key_data(restored.key), env_state=games.env_state,
+                                        obs=games.obs, episode_returns=games.episode_returns,
+                                        episode_lengths=games.episode_lengths)
+            print(f"resumed at step {checkpoint['global_step']:,} (update {checkpoint['update']}) from {config.resume}",
+                  file=sys.stderr)
+        # Place the agents over the devices; everything computed from them stays where they are.
+        mesh = seed_mesh(config.num_seeds)
+        runners, update = jax.device_put(runners, split_over_seeds(mesh)), checkpoint["update"] if checkpoint else 0
+        print(describe_devices(mesh, config.num_seeds), file=sys.stderr)
+        started, length = time.perf_counter(), min(config.checkpoint_every, config.num_updates, LONGEST_CHUNK)
+        train_chunk = compile_train_chunk(training, length, runners, mesh)
+        print(f"{env_id}: {config.num_seeds} agent(s), compiled in {time.perf_counter() - started:.1f} s; "
+              f"logs and checkpoints in {run.dir}", file=sys.stderr)
+        run.open_writers(Progress(config.num_updates * config.batch_size, update * config.batch_size,
+                                  config.num_seeds, "games" if atari else "episodes"))
 
-    print(describe_devices(mesh, config.num_seeds), file=sys.stderr)
-    started = time.perf_counter()
-    length = min(config.checkpoint_every, config.num_updates, LONGEST_CHUNK)
-    train_chunk = compile_train_chunk(training, length, runners, mesh)
-    print(f"{env_id}: {config.num_seeds} agent(s), compiled in {time.perf_counter() - started:.1f} s; "
-          f"logs and checkpoints in {run.dir}", file=sys.stderr)
-    run.open_writers()
-    progress.restart()
+        def dispatch(count: int) -> tuple:
+            """Start the next chunk, of at most `count` updates, and return at once: JAX computes it meanwhile."""
+            count = min(count, config.checkpoint_every - update % config.checkpoint_every, config.num_updates - update)
+            return count, time.perf_counter(), *train_chunk(runners, jnp.int32(count))
 
-    def dispatch(count: int) -> tuple[int, float, tuple]:
-        """Start the next chunk, of at most `count` updates, and return at once: JAX computes it meanwhile."""
-        count = min(count, config.checkpoint_every - update % config.checkpoint_every, config.num_updates - update)
-        return count, time.perf_counter(), train_chunk(runners, jnp.int32(count))
+        def save() -> None:
+            run.flush()  # so that a checkpoint never holds more of the run than its logs
+            run.write_checkpoint(checkpoint_state(config, env_id, update, update * config.batch_size,
+                                                  runners=storable(runners)))
 
-    def loop(stop: StopRequest) -> None:
-        nonlocal runners, update
+        signals.training = True
         chunk = dispatch(1)  # the first chunk: one update, to time it
         while chunk is not None:
-            count, dispatched, (new_runners, metrics) = chunk
-            metrics = jax.tree.map(lambda value: value[:count], jax.device_get(metrics))  # [count, agents]: waits
+            count, dispatched, new_runners, metrics = chunk
+            if jnp.any(metrics["diverged"]):  # all that crosses to the host now, once the chunk is done: one flag
+                at, agent = np.argwhere(jax.device_get(metrics["diverged"]))[0]
+                largest_step = float(metrics["largest_step"][at, agent])
+                raise DivergedError(f"diverged at update {update + at + 1} (agent {agent}): " + (
+                    f"a step would have moved the weights by {largest_step:.3g} in root mean square, more than "
+                    f"{MAX_STEP_RMS:g}" if largest_step > MAX_STEP_RMS else
+                    "the loss or the parameters became NaN or infinite") + "; no step was taken from there on")
             seconds = time.perf_counter() - dispatched
-            broken = np.argwhere(metrics["diverged"])
-            if broken.size:
-                at, agent = broken[0]
-                raise DivergedError.at(update + at + 1, float(metrics["largest_step"][at, agent]), agent)
             runners, first_update, update = new_runners, update, update + count
-            # The next chunk (as many updates as fit in `CHUNK_SECONDS` at this one's speed) starts
-            # before this one is logged, so that the device computes while the host writes.
-            chunk = None if update >= config.num_updates or stop() else dispatch(
+            # The next chunk, as many updates as fit in `CHUNK_SECONDS` at this one's speed.
+            chunk = None if update >= config.num_updates or signals.requested else dispatch(
                 max(1, min(length, int(CHUNK_SECONDS * count / seconds))))
-            log_chunk(run, metrics, first_update, config.batch_size,
-                      count * config.batch_size * config.num_seeds / seconds)
-            progress.score_of(metrics["recent_return"][-1], np.asarray(runners.episodes))
-            progress.show(update * config.batch_size)
+            run.log(metrics, runners.episodes, count, first_update, count * config.batch_size * config.num_seeds / seconds)
             if update % config.checkpoint_every == 0:
                 save()
-                if config.capture_video:
-                    record(update)
-
-    def save() -> None:
-        run.write_checkpoint(checkpoint_state(config, env_id, update, update * config.batch_size,
-                                              runners=storable(runners)))
-
-    def record(update: int) -> None:
-        """An episode of the first agent's policy now, in one environment, as CleanRL records its first env's."""
-        agent = jax.tree.map(lambda value: value[0], (runners.agent.params, runners.normalizer))
-        videos = record_videos(config, env_id, make_env(env_id, 1, config), training.network, agent,
-                               jax.random.fold_in(keys[0], update), run.dir / "videos", f"train-update{update}")
-        if run.tracking is not None:
-            run.tracking.log({"videos": [import_wandb().Video(str(path), format="mp4") for path in videos]})
-
-    def counters() -> tuple[int, int]:
-        progress.show(update * config.batch_size, final=True)
-        return update, update * config.batch_size
-
-    return run.finish(loop, save, counters)
-
-
-def mean_over_agents(values: np.ndarray) -> float:
-    """The mean of the agents' values that are defined (an agent whose episodes all go on has none)."""
-    return float(np.nanmean(values)) if np.isfinite(values).any() else float("nan")
-
-
-# The agents' series: their mean and spread in the run's writer; every agent's in `AGENTS_FILE`, one `.npy` record
-# a chunk, appended (`read_agent_series` reads them); the first `AGENT_WRITERS` also in writers of their own, in
-# `agent-<i>/`. So the work between chunks does not grow with the agents.
-AGENT_WRITERS = 16
-AGENTS_FILE = "agents.npys"
-
-
-def log_chunk(run: Run, metrics: dict[str, np.ndarray], first_update: int, batch_size: int, sps: float) -> None:
-    """Log a chunk's metrics, `[updates, agents]`: each tag's mean over the agents in the run's writer, with several
-    their smallest and largest (`<tag>/min`, `<tag>/max`), every agent's in `AGENTS_FILE` and the first
-    `AGENT_WRITERS`' in their own writers. An episode's tags are written where an episode ended."""
-    steps = (first_update + 1 + np.arange(len(metrics["episodes"]))) * batch_size
-    ended = metrics["episodes"] > 0
-    tags = {"charts/learning_rate": metrics["learning_rate"], "charts/clip_range": metrics["clip_range"],
-            **{f"losses/{name}": value for name, value in metrics["losses"].items()},
-            "charts/episodic_return": metrics["episodic_return"], "charts/episodic_length": metrics["episodic_length"],
-            "charts/episodic_return_last_100": metrics["recent_return"]}
-    for tag, values in tags.items():
-        episodes = tag.startswith("charts/episodic")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # no agent with a value (no episode yet): NaN
-            mean, smallest, largest = (reduce(values, axis=1) for reduce in (np.nanmean, np.nanmin, np.nanmax))
-        for index in np.flatnonzero(ended.any(axis=1)) if episodes else range(len(steps)):
-            run.writer.add_scalar(tag, mean[index], steps[index])
-            if values.shape[1] > 1:
-                run.writer.add_scalar(f"{tag}/min", smallest[index], steps[index])
-                run.writer.add_scalar(f"{tag}/max", largest[index], steps[index])
-        for agent, writer in enumerate(run.writers):
-            for index in np.flatnonzero(ended[:, agent]) if episodes else range(len(steps)):
-                writer.add_scalar(tag, values[index, agent], steps[index])
-    run.writer.add_scalar("charts/SPS", sps, steps[-1])
-    if run.agents_file is not None:
-        write_agent_series(run.agents_file, steps, metrics, run.dir / AGENTS_FILE)
-
-
-def write_agent_series(file: typing.BinaryIO, steps: np.ndarray, metrics: dict, path: Path) -> None:
-    """Append a chunk's metrics to `file` as one `.npy` record: per update, its step and each metric of every agent."""
-    leaves = {jax.tree_util.keystr(where, simple=True, separator="/"): np.asarray(value)
-              for where, value in jax.tree_util.tree_leaves_with_path(metrics)}
-    records = np.zeros(len(steps), [("step", np.int64)] + [(name, value.dtype, value.shape[1:])
-                                                           for name, value in leaves.items()])
-    records["step"] = steps
-    for name, value in leaves.items():
-        records[name] = value
-    record = io.BytesIO()
-    np.save(record, records)
-    try:
-        file.write(record.getvalue())  # in one piece: a crash leaves whole records, and at worst a torn last one
-        file.flush()
-    except OSError as error:
-        raise naming(error, path) from error
-
-
-def read_agent_series(path: str | Path) -> dict[str, np.ndarray]:
-    """Every agent's series from a run's `AGENTS_FILE`: `{"step": [updates], "losses/policy_loss": [updates, agents],
-    "episodic_return": ..., ...}`; a step written twice (a resumed run's) is read as last written."""
-    data = Path(path).read_bytes()
-    stream, chunks = io.BytesIO(data), []
-    while stream.tell() < len(data):
-        try:
-            chunks.append(np.load(stream))
-        except (ValueError, EOFError):
-            break  # a last record torn by a crash
-    records = np.concatenate(chunks)
-    _, last = np.unique(records["step"][::-1], return_index=True)
-    records = records[len(records) - 1 - last]
-    return {name: records[name] for name in records.dtype.names}
+                if config.capture_video:  # an episode of the first agent's policy now, as CleanRL records its first env's
+                    agent = jax.tree.map(lambda value: value[0], (runners.agent.params, runners.normalizer))
+                    videos = record_videos(config, env_id, make_env(env_id, 1, config), training.network, agent,
+                                           jax.random.fold_in(keys[0], update), run.dir / "videos", f"train-update{update}")
+                    if run.tracking is not None:
+                        run.tracking.log({"videos": [import_wandb().Video(str(path), format="mp4") for path in videos]})
+        if update % config.checkpoint_every:
+            save()
+        run.close()
+        run.progress.show(update * config.batch_size, final=True)
+        if signals.requested:
+            print(f"stopped at update {update}; resume with --resume {run.checkpoint_path}", file=sys.stderr)
+            return 128 + signals.requested
+        print(f"done: {update * config.batch_size:,} steps; checkpoint in {run.checkpoint_path}", file=sys.stderr)
+        return 0
+    except (DivergedError, OSError) as error:
+        run.end()  # the logging thread done first, so that this is the last line
+        last = run.last_checkpoint()
+        if isinstance(error, DivergedError):
+            print(f"\n{error}; " + (f"the last good checkpoint is {last}" if last else "no checkpoint was written"),
+                  file=sys.stderr)
+        else:  # a file of the run could not be written, on a full disk, say; what was written before is whole
+            reason = error.strerror[0].lower() + error.strerror[1:] if error.strerror else str(error)
+            print(f"\n{PROG}: error: {reason} while writing {error.filename}; "
+                  + (f"the last checkpoint is {last}" if last else "none was written"), file=sys.stderr)
+        return 1
+    finally:
+        run.end()
 
 
 # ### Experiment tracking
@@ -2352,9 +2123,9 @@ def track_evaluation(config, returns: list[float], videos: list[Path]) -> None:
 # reports the real, unclipped return of each (on Atari, the score of a whole game, all its lives).
 # It is one more compiled program: every agent plays `eval_episodes` episodes at once, until the
 # last has ended. To record them (`--capture-video`, which also records an episode at each of a
-# training run's checkpoints), the first agent's episodes are played again with the same key: on
-# gymnax by the same program, keeping the environments' states, drawn afterwards; on Atari a step
-# at a time, beside a twin of the games in colour.
+# training run's checkpoints), the first agent's episodes are played again with the same key, a
+# step at a time, and drawn: gymnax's states as gymnax draws them, Atari's games by a twin of the
+# vector env in colour.
 
 
 def evaluation_start(env: BatchedEnv, key: jax.Array) -> tuple:
@@ -2378,88 +2149,94 @@ def evaluation_step(network: nn.Module, env: BatchedEnv, params: Any, carry: tup
     obs, state, _, _, _, info = env.step(env_key, state, actions)
     # An environment that finished its episode (Atari: its game) goes on, but no longer counts.
     returns = returns + jnp.where(playing, info.score, 0.0)
-    playing = playing & ~info.episode_over
-    return (obs, state, returns, playing, key), actions
+    return (obs, state, returns, playing & ~info.episode_over, key), actions
 
 
-def make_evaluate(network: nn.Module, env: BatchedEnv, record: bool = False) -> Callable[[Any, Any, jax.Array], Any]:
-    """`evaluate(params, normalizer, key)`: the returns of `env.num_envs` whole episodes played with
-    `params` (and `normalizer`, see `evaluation_step`). With `record`, also the first state of every
-    environment, its state after each step, and whether its episode was still going on then:
-    `(returns, first_states, (states, playing))`."""
+def make_evaluate(network: nn.Module, env: BatchedEnv) -> Callable[[Any, Any, jax.Array], jax.Array]:
+    """`evaluate(params, normalizer, key)`: the returns of `env.num_envs` whole episodes played with `params` (and
+    `normalizer`, see `evaluation_step`), every environment stepped until the last episode has ended."""
 
-    def evaluate(params: Any, normalizer: Normalizer | None, key: jax.Array) -> Any:
-        carry = evaluation_start(env, key)
-
-        def step(carry: tuple) -> tuple:
-            return evaluation_step(network, env, params, carry, normalizer)[0]
-
-        if not record:  # until every episode has ended
-            return jax.lax.while_loop(lambda carry: carry[3].any(), step, carry)[2]
-
-        def recorded_step(carry: tuple, _) -> tuple[tuple, tuple]:
-            carry = step(carry)
-            return carry, (carry[1], carry[3])
-
-        first_states = carry[1]
-        (_, _, returns, _, _), trace = jax.lax.scan(recorded_step, carry, length=env.max_steps)
-        return returns, first_states, trace
+    def evaluate(params: Any, normalizer: Normalizer | None, key: jax.Array) -> jax.Array:
+        return jax.lax.while_loop(lambda carry: carry[3].any(),
+                                  lambda carry: evaluation_step(network, env, params, carry, normalizer)[0],
+                                  evaluation_start(env, key))[2]
 
     return evaluate
+
+
+def trained_agents(config: AtariConfig, env_id: str, checkpoint: dict, path: str) -> tuple[Training, tuple]:
+    """`make_train`'s pieces for the checkpoint's settings, and its agents' `(params, normalizers)`: the parameters
+    and, for continuous actions, the statistics each agent's observations were normalised by."""
+    training = make_train(config, env_id, convolution_layer())
+    template = jax.eval_shape(jax.vmap(training.init), agent_keys(config))
+    return training, (restore_tree(template.agent.params, checkpoint["runners"]["agent"]["params"], path),
+                      restore_tree(template.normalizer, checkpoint["runners"].get("normalizer"), path))
 
 
 def evaluate_compiled(config: RunConfig, env_id: str, checkpoint: dict) -> np.ndarray:
     """`[agents, eval_episodes]` returns of the checkpoint's agents (on Atari, the scores of whole games)."""
     choose_device(config.device)
-    training = make_train(config, env_id, convolution_layer())
-    # Each agent's parameters and, for continuous actions, the statistics its observations were normalised by.
-    template = jax.eval_shape(jax.vmap(training.init), agent_keys(config))
-    params = restore_tree(template.agent.params, checkpoint["runners"]["agent"]["params"], config.eval)
-    normalizers = restore_tree(template.normalizer, checkpoint["runners"].get("normalizer"), config.eval)
-    network, env = training.network, make_env(env_id, config.eval_episodes, config)
+    training, agents = trained_agents(config, env_id, checkpoint, config.eval)
+    env = make_env(env_id, config.eval_episodes, config)
     # Episodes unlike the training ones: keys from another branch of the seed's key.
-    eval_keys = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), 1), config.num_seeds)
+    keys = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), 1), config.num_seeds)
     videos = []
     if config.capture_video:
-        videos = record_videos(config, env_id, env, network, jax.tree.map(lambda value: value[0], (params, normalizers)),
-                               eval_keys[0], Path(config.run_dir or Path(config.eval).parent) / "videos", "eval")
+        videos = record_videos(config, env_id, env, training.network, jax.tree.map(lambda value: value[0], agents),
+                               keys[0], Path(config.run_dir or Path(config.eval).parent) / "videos", "eval")
         print(f"videos in {videos[0].parent}", file=sys.stderr)
-    trained = jax.device_put((params, normalizers, eval_keys), split_over_seeds(seed_mesh(config.num_seeds)))
-    returns = np.asarray(jax.jit(jax.vmap(make_evaluate(network, env)))(*trained))
+    placed = jax.device_put((*agents, keys), split_over_seeds(seed_mesh(config.num_seeds)))
+    returns = np.asarray(jax.jit(jax.vmap(make_evaluate(training.network, env)))(*placed))
     if config.track:
         track_evaluation(config, returns.ravel().tolist(), videos)
     return returns
 
 
-def record_videos(config: RunConfig, env_id: str, env: BatchedEnv, network: nn.Module, agent: tuple, key: jax.Array,
-                  video_dir: Path, name: str) -> list[Path]:
-    """Play an episode in each of `env`'s environments with one agent's `(params, normalizer)`, each into an mp4 in
-    `video_dir` whose name starts with `name`; the paths."""
+def record_videos(config: AtariConfig, env_id: str, env: BatchedEnv, network: nn.Module, agent: tuple,
+                  key: jax.Array, video_dir: Path, name: str) -> list[Path]:
+    """Play the episodes `make_evaluate` plays with one agent's `(params, normalizer)` and `key`, a step at a time,
+    into an mp4 each in `video_dir`, named `<name>-...`; their paths.
+
+    gymnax resets an environment within the step that ends its episode, so its video shows the
+    first state and every step's but the last. The frames an Atari agent sees are grey and small:
+    a twin of the vector env in colour, at the screen's size, with the same settings and seeds,
+    stepped with the same actions, plays the very same games (the emulator is deterministic), and
+    its frames are the video's, played at 60 frames a second over the frame skip: in real time.
+    """
+    step = jax.jit(functools.partial(evaluation_step, network, env))
+    carry, atari = jax.jit(functools.partial(evaluation_start, env))(key), isinstance(env, AtariEnv)
     video_dir.mkdir(parents=True, exist_ok=True)
-    if isinstance(env, AtariEnv):
-        return record_atari(config, env, network, agent[0], key, video_dir, name)
-    return record_gymnax(env_id, env, jax.jit(make_evaluate(network, env, record=True))(*agent, key), video_dir, name)
+    with contextlib.ExitStack() as stack:
+        if atari:
+            import cv2
+            from ale_py.vector_env import AtariVectorEnv
 
+            twin = AtariVectorEnv(env.game, env.num_envs, stack_num=1, grayscale=False, img_height=210,
+                                  img_width=160, maxpool=False, **env.settings)
+            stack.callback(twin.close)
+            twin.reset(seed=np.asarray(env.seeds(jax.random.split(key)[1])))
+        # Classic control plays at gymnasium's own rate; MinAtar has none, and 15 steps a second reads well.
+        fps = 60 / config.frame_skip if atari else 15 if "MinAtar" in env_id else gym.make(env_id).metadata["render_fps"]
+        videos = [stack.enter_context(contextlib.closing(Video(video_dir / (
+            f"{name}-{env.game}-game{index:02d}.mp4" if atari else f"{name}-{env_id}-episode{index:02d}.mp4"), fps)))
+            for index in range(env.num_envs)]
 
-def record_gymnax(env_id: str, env: BatchedEnv, played: tuple, video_dir: Path, name: str) -> list[Path]:
-    """Draw the episodes `make_evaluate(..., record=True)` played into one mp4 each, in `video_dir`.
+        def draw(state: Any, indices: Iterable[int]) -> None:
+            state = jax.device_get(state)
+            for index in indices:
+                videos[index].write(render_gymnax(env_id, env, jax.tree.map(lambda value: value[index], state)))
 
-    gymnax resets an environment within the step that ends its episode, so an episode's last frame
-    is the one before its end."""
-    _, first_states, (states, playing) = jax.device_get(played)
-    # Classic control plays at gymnasium's own rate; MinAtar has none, and 15 steps a second reads well.
-    fps = gym.make(env_id).metadata["render_fps"] if env_id in GYMNAX_FAMILIES and "MinAtar" not in env_id else 15
-    paths = []
-    for episode in range(env.num_envs):
-        video = Video(video_dir / f"{name}-{env_id}-episode{episode:02d}.mp4", fps)
-        try:
-            video.write(render_gymnax(env_id, env, jax.tree.map(lambda value: value[episode], first_states)))
-            for step in np.flatnonzero(playing[:, episode]):
-                video.write(render_gymnax(env_id, env, jax.tree.map(lambda value: value[step, episode], states)))
-        finally:
-            video.close()
-        paths.append(video.path)
-    return paths
+        if not atari:
+            draw(carry[1], range(env.num_envs))
+        while (playing := np.asarray(carry[3])).any():
+            before, (carry, actions) = carry, step(agent[0], carry, agent[1])
+            if not atari:
+                draw(carry[1], np.flatnonzero(np.asarray(carry[3])))
+                continue
+            screens = twin.step(np.asarray(env.actions_played(before[1], actions)))[0][:, 0]
+            for index in np.flatnonzero(playing):
+                videos[index].write(cv2.resize(screens[index], None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST))
+    return [video.path for video in videos]
 
 
 def render_gymnax(env_id: str, env: BatchedEnv, state: Any) -> np.ndarray:
@@ -2479,52 +2256,9 @@ def render_gymnax(env_id: str, env: BatchedEnv, state: Any) -> np.ndarray:
     import seaborn
 
     grid = np.asarray(env.env.get_obs(state, env.params))  # [10, 10, channels] of 0 and 1
-    channels = grid.shape[-1]
-    colours = [(0.0, 0.0, 0.0), *seaborn.color_palette("cubehelix", channels)]
-    palette = np.round(255 * np.array(colours)).astype(np.uint8)
-    cells = np.amax(grid * np.arange(1, channels + 1), axis=2).astype(int)
-    return np.repeat(np.repeat(palette[cells], 20, axis=0), 20, axis=1)
-
-
-def record_atari(config: RunConfig, env: AtariEnv, network: nn.Module, params: Any, key: jax.Array, video_dir: Path,
-                 name: str) -> list[Path]:
-    """Play the games `make_evaluate` plays with `key`, a step at a time, into one mp4 each, in `video_dir`.
-
-    The frames the agent sees are grey and small. A twin of the vector env in colour, at the
-    screen's size, with the same settings and seeds, stepped with the same actions, plays the very
-    same games (the emulator is deterministic), and its frames are the video's.
-    """
-    import cv2
-    from ale_py.vector_env import AtariVectorEnv
-
-    twin = AtariVectorEnv(env.game, env.num_envs, stack_num=1, grayscale=False, img_height=210, img_width=160,
-                          maxpool=False, **env.settings)
-    start = jax.jit(functools.partial(evaluation_start, env))
-
-    @jax.jit
-    def step(carry: tuple) -> tuple[tuple, jax.Array]:
-        new_carry, actions = evaluation_step(network, env, params, carry)
-        return new_carry, env.actions_played(carry[1], actions)
-
-    carry = start(key)
-    twin.reset(seed=np.asarray(env.seeds(jax.random.split(key)[1])))
-    # 60 frames a second divided by the frame skip: the videos play in real time.
-    videos = [Video(video_dir / f"{name}-{env.game}-game{index:02d}.mp4", 60 / config.frame_skip)
-              for index in range(env.num_envs)]
-    try:
-        while True:
-            playing = np.asarray(carry[3])
-            if not playing.any():
-                break
-            carry, actions = step(carry)
-            frames = twin.step(np.asarray(actions))[0][:, 0]
-            for index in np.flatnonzero(playing):
-                videos[index].write(cv2.resize(frames[index], None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST))
-    finally:
-        for video in videos:
-            video.close()
-        twin.close()
-    return [video.path for video in videos]
+    palette = np.round(255 * np.array([(0.0, 0.0, 0.0), *seaborn.color_palette("cubehelix", grid.shape[-1])]))
+    cells = np.amax(grid * np.arange(1, grid.shape[-1] + 1), axis=2).astype(int)
+    return np.repeat(np.repeat(palette.astype(np.uint8)[cells], 20, axis=0), 20, axis=1)
 
 
 class Video:
@@ -2580,19 +2314,15 @@ class Policy(NamedTuple):
 def load_policy(path: str | Path, agent: int = 0) -> Policy:
     """The policy of agent `agent` of the checkpoint at `path`. The README shows a loop that plays with it."""
     checkpoint = load_checkpoint(str(path))
-    fields = {field.name for field in dataclasses.fields(AtariConfig)}
-    config = AtariConfig(**{k: v for k, v in checkpoint["config"].items() if k in fields})
-    training = make_train(config, checkpoint["env_id"], convolution_layer())
-    template = jax.eval_shape(jax.vmap(training.init), agent_keys(config))
-    trained = jax.tree.map(lambda value: value[agent], (
-        restore_tree(template.agent.params, checkpoint["runners"]["agent"]["params"], str(path)),
-        restore_tree(template.normalizer, checkpoint["runners"].get("normalizer"), str(path))))
+    config = AtariConfig(**{k: v for k, v in checkpoint["config"].items() if k in AtariConfig.__dataclass_fields__})
+    training, agents = trained_agents(config, checkpoint["env_id"], checkpoint, str(path))
 
     def act(trained: tuple, obs: jax.Array, key: jax.Array) -> jax.Array:
         params, normalizer = trained
         return training.network.apply(params, obs if normalizer is None else normalizer.observe(obs))[0].sample(key)
 
-    return Policy(functools.partial(jax.jit(act), trained), functools.partial(make_env, checkpoint["env_id"], config=config))
+    return Policy(functools.partial(jax.jit(act), jax.tree.map(lambda value: value[agent], agents)),
+                  functools.partial(make_env, checkpoint["env_id"], config=config))
 
 
 # ### main
@@ -2603,18 +2333,16 @@ def main(argv: list[str] | None = None) -> int:
         config, checkpoint, env_id, family = parse_config(argv)
         if config.track:
             import_wandb()  # here, so that a missing wandb stops the run before it starts
-        if config.eval is not None:
-            returns = evaluate_compiled(config, env_id, checkpoint)
-            what = "games, score" if family == "Atari" else "episodes, return"
-            if len(returns) > 1:
-                for agent, agent_returns in enumerate(returns):
-                    print(f"agent {agent}: return {describe_returns(agent_returns)}")
-                what = f"agents x {returns.shape[1]} episodes, return"
-            print(f"{env_id}: {len(returns) if len(returns) > 1 else returns.shape[1]} {what} "
-                  f"{describe_returns(returns)}")
-            return 0
-        with SignalThread() as stop:
-            return train_compiled(config, env_id, checkpoint, stop)
+        if config.eval is None:
+            with Signals() as signals:
+                return train_compiled(config, env_id, checkpoint, signals)
+        returns = evaluate_compiled(config, env_id, checkpoint)
+        for agent, agent_returns in enumerate(returns if len(returns) > 1 else []):
+            print(f"agent {agent}: return {describe_returns(agent_returns)}")
+        what = (f"{len(returns)} agents x {returns.shape[1]} episodes, return" if len(returns) > 1 else
+                f"{returns.shape[1]} {'games, score' if family == 'Atari' else 'episodes, return'}")
+        print(f"{env_id}: {what} {describe_returns(returns)}")
+        return 0
     except ConfigError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2

@@ -7,7 +7,11 @@
     settings, from start to exit: Python's start, imports, compilation, training, TensorBoard
     events, the agents' file and checkpoints. Printed beside (a), with the ratio of the two: what
     the command line costs on top of the compiled program (`--part overhead` measures the two one
-    after the other, `--repeats` times).
+    after the other, `--repeats` times). From the run's own `charts/SPS` events (one a chunk: the
+    agent steps of the chunk over the seconds from its dispatch to its end), the time inside the
+    chunks and their agent steps per second, beside the compiled program's; the rest of the
+    process is the time outside them, also given per update. With several `--seeds`, the time
+    outside the chunks per update at the most agents over that at the fewest.
 (c) Atari: agent steps per second of ppo_jax.py's compiled iteration (ale-py's vector env stepped
     inside the program) beside ppo_atari.py's trainer (worker processes), with the same settings
     (Breakout, 8 games x 128 steps, the default update); ppo_atari.py twice, in its default
@@ -21,7 +25,12 @@ neighbour on a shared machine hits all alike; the load average is printed with e
 
     python benchmarks/ppo_jax_speed.py                 # all three
     python benchmarks/ppo_jax_speed.py --part overhead --seeds 256 --total-timesteps 32768
+    python benchmarks/ppo_jax_speed.py --part overhead --seeds 256 2048 --total-timesteps 2048 --repeats 1
     python benchmarks/ppo_jax_speed.py --part atari --repeats 2
+    python benchmarks/ppo_jax_speed.py --part atari --compare old/ppo_jax.py   # another version alternated with it
+
+`--compare PATH` measures the ppo_jax.py at PATH too (its Atari iteration or its process), taking
+turns with this one's, so that two versions are compared on one machine under one load.
 
 Timings are never asserted in tests; this script is where they are measured. JAX's persistent
 compilation cache is switched off for every measurement, so that compile times are real.
@@ -72,22 +81,41 @@ def measure_compiled(seeds: int, total_timesteps: int) -> dict:
             "final_return_min": float(final.min()), "final_return_mean": float(final.mean())}
 
 
-def measure_process(seeds: int, total_timesteps: int) -> dict:
-    """`python ppo_jax.py` with its defaults (and `seeds` agents, `total_timesteps` each), start to exit."""
+def measure_process(seeds: int, total_timesteps: int, script: Path) -> dict:
+    """`python ppo_jax.py` with its defaults (and `seeds` agents, `total_timesteps` each), start to exit; and, from
+    its `charts/SPS` events, the seconds inside its chunks."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     with tempfile.TemporaryDirectory() as run_dir:
         started = time.perf_counter()
-        result = subprocess.run([sys.executable, str(ROOT / "ppo_jax.py"), "--num-seeds", str(seeds),
+        result = subprocess.run([sys.executable, str(script), "--num-seeds", str(seeds),
                                  "--total-timesteps", str(total_timesteps), "--run-dir", run_dir],
                                 capture_output=True, text=True, env=environment())
         seconds = time.perf_counter() - started
-    if result.returncode != 0:
-        raise RuntimeError(result.stderr)
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr)
+        events = EventAccumulator(run_dir)
+        events.Reload()
+        chunks = [(event.step, event.value) for event in events.Scalars("charts/SPS")]
     compiled = next(line for line in result.stderr.splitlines() if "compiled in" in line)
-    return {"seeds": seeds, "process_s": seconds,
+    ends = [0] + [step for step, _ in chunks]
+    inside = sum((end - start) * seeds / sps for start, end, (_, sps) in zip(ends, ends[1:], chunks))
+    return {"seeds": seeds, "script": str(script), "process_s": seconds, "inside_chunks_s": inside,
+            "updates": total_timesteps // (4 * 128), "agent_steps": ends[-1] * seeds,
             "compile_line_s": float(compiled.split("compiled in ")[1].split(" s")[0])}
 
 
-def measure_atari(script: str, iterations: int, warmup: int) -> dict:
+def import_ppo_jax(path: Path):
+    """The ppo_jax.py at `path`, imported as the module `ppo_jax`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ppo_jax", path)
+    module = sys.modules["ppo_jax"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure_atari(script: str, iterations: int, warmup: int, path: Path = ROOT / "ppo_jax.py") -> dict:
     """Agent steps per second of one script's Atari training: Breakout, 8 games x 128 steps, the default update."""
     import numpy as np
 
@@ -95,7 +123,7 @@ def measure_atari(script: str, iterations: int, warmup: int) -> dict:
     if script == "ppo_jax":
         import jax
 
-        import ppo_jax
+        ppo_jax = import_ppo_jax(path)
 
         ppo_jax.choose_device("auto")
         config = ppo_jax.RunConfig(env=ppo_jax.resolve_env("Breakout")[0], **ppo_jax.PRESETS["Atari"])
@@ -116,7 +144,7 @@ def measure_atari(script: str, iterations: int, warmup: int) -> dict:
                 if name == "iteration":
                     runner = result[0]
             seconds[name] = statistics.median(timed)
-        return {"script": script, "precision": "fp32",
+        return {"script": script, "path": str(path), "precision": "fp32",
                 "sps": config.batch_size / seconds["iteration"],
                 "seconds_per_iteration": seconds["iteration"], "rollout_s": seconds["rollout"],
                 "update_s": seconds["update"]}
@@ -219,6 +247,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=6, help="timed Atari iterations per measurement")
     parser.add_argument("--warmup", type=int, default=2, help="untimed Atari iterations first")
     parser.add_argument("--json", type=Path, help="also write every measurement here")
+    parser.add_argument("--compare", type=Path, help="another ppo_jax.py, measured in turns with this one's "
+                        "(its process and its Atari iteration)")
     parser.add_argument("--measure", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -227,11 +257,11 @@ def main() -> None:
         if kind == "compiled":
             result = measure_compiled(int(value), int(steps[0]))
         elif kind == "process":
-            result = measure_process(int(value), int(steps[0]))
+            result = measure_process(int(value), int(steps[0]), Path(steps[1]))
         elif kind == "games":
             result = measure_games(value)
         else:
-            result = measure_atari(value, args.iterations, args.warmup)
+            result = measure_atari(value, args.iterations, args.warmup, *map(Path, steps))
         print(json.dumps(result))
         return
 
@@ -239,14 +269,15 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     kinds = []
     steps = str(args.total_timesteps)
+    versions = [str(ROOT / "ppo_jax.py"), *([str(args.compare.resolve())] if args.compare else [])]
     for seeds in args.seeds:
         if args.part in ("compiled", "overhead", "all"):
             kinds.append(("compiled", str(seeds), steps))
         if args.part in ("process", "overhead", "all"):
-            kinds.append(("process", str(seeds), steps))
+            kinds += [("process", str(seeds), steps, version) for version in versions]
     if args.part in ("atari", "all"):
-        kinds += [("atari", "ppo_jax"), ("atari", "ppo_atari"), ("atari", "ppo_atari:fp32"),
-                  ("games", "ppo_jax"), ("games", "ppo_atari")]
+        kinds += [*(("atari", "ppo_jax", version) for version in versions), ("atari", "ppo_atari"),
+                  ("atari", "ppo_atari:fp32"), ("games", "ppo_jax"), ("games", "ppo_atari")]
     for _ in range(args.repeats):
         for kind in kinds:
             results.setdefault(" ".join(kind), []).append(in_fresh_process(*kind, "--iterations", str(args.iterations),
@@ -261,15 +292,21 @@ def main() -> None:
                   f"{median_of(runs, 'run_s'):.1f} s ({median_of(runs, 'sps'):,.0f} SPS); worst agent's final return "
                   f"{min(run['final_return_min'] for run in runs):.0f}   [load {loads}]")
         elif kind == "process":
-            print(f"(b) python ppo_jax.py --num-seeds {value} --total-timesteps {args.total_timesteps}: "
+            script = "" if runs[0]["script"] == str(ROOT / "ppo_jax.py") else f" [{runs[0]['script']}]"
+            inside = [run["agent_steps"] / run["inside_chunks_s"] for run in runs]
+            outside = [(run["process_s"] - run["inside_chunks_s"]) for run in runs]
+            print(f"(b) python ppo_jax.py --num-seeds {value} --total-timesteps {args.total_timesteps}{script}: "
                   f"{median_of(runs, 'process_s'):.1f} s start to exit (of which tracing and compiling "
                   f"{median_of(runs, 'compile_line_s'):.1f} s)   [load {loads}]")
+            print(f"    inside the chunks {median_of(runs, 'inside_chunks_s'):.1f} s "
+                  f"({statistics.median(inside):,.0f} agent steps/s); outside them {statistics.median(outside):.1f} s, "
+                  f"{statistics.median(outside) / runs[0]['updates']:.2f} s per update of {runs[0]['updates']}")
             program = results.get(f"compiled {value} {args.total_timesteps}")
             if program:
                 ratios = [run["process_s"] / compiled["program_s"] for run, compiled in zip(runs, program)]
-                print(f"    the process over the compiled program (trace, compile, run: "
-                      f"{median_of(program, 'program_s'):.1f} s): {statistics.median(ratios):.2f}x "
-                      f"(each pair: {', '.join(f'{ratio:.2f}' for ratio in ratios)})")
+                print(f"    the compiled program: {median_of(program, 'sps'):,.0f} agent steps/s; the process over "
+                      f"the compiled program (trace, compile, run: {median_of(program, 'program_s'):.1f} s): "
+                      f"{statistics.median(ratios):.2f}x (each pair: {', '.join(f'{ratio:.2f}' for ratio in ratios)})")
         elif kind == "games":
             what = "AtariEnv, a compiled scan" if value == "ppo_jax" else "Workers, one process per core"
             print(f"(c) {value}'s games alone ({what}), Breakout, 8 games, random actions: "
@@ -280,10 +317,16 @@ def main() -> None:
                 env = f" (of which the games {median_of(runs, 'env_s'):.2f})"
                 value = f"ppo_atari, its torso in {runs[0]['precision']}"
             else:
-                value = "ppo_jax, in float32"
+                path = runs[0].get("path", str(ROOT / "ppo_jax.py"))
+                value = "ppo_jax, in float32" + ("" if path == str(ROOT / "ppo_jax.py") else f" [{path}]")
             print(f"(c) {value} on Breakout, 8 games x 128 steps: {median_of(runs, 'sps'):,.0f} SPS | per iteration "
                   f"{median_of(runs, 'seconds_per_iteration'):.2f} s; rollout {median_of(runs, 'rollout_s'):.2f} s"
                   f"{env}, update {median_of(runs, 'update_s'):.2f} s   [load {loads}]")
+    outside = {int(name.split()[1]): statistics.median(run["process_s"] - run["inside_chunks_s"] for run in runs)
+               for name, runs in results.items() if name.startswith("process") and name.endswith(versions[0])}
+    if len(outside) > 1:
+        print(f"time outside the chunks per update, {max(outside)} agents over {min(outside)}: "
+              f"{outside[max(outside)] / outside[min(outside)]:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -285,7 +285,7 @@ def test_parameters_made_non_finite_by_the_last_step_of_an_update_are_never_save
 
 def test_a_state_that_is_not_finite_is_not_written(tmp_path):
     config = ppo_jax.RunConfig(run_dir=str(tmp_path))
-    run = ppo_jax.Run(config, "CartPole-v1", None, ppo_jax.SignalThread())
+    run = ppo_jax.Run(config, "CartPole-v1", None, ppo_jax.Signals())
     with pytest.raises(ppo_jax.DivergedError, match="the state of update 3 holds NaN or infinite numbers"):
         run.write_checkpoint({"update": 3, "runners": {"params": np.array([1.0, np.inf], np.float32)}})
     run.write_checkpoint({"update": 2, "runners": {"params": np.array([1.0, 2.0], np.float32)}})
