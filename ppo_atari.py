@@ -45,13 +45,14 @@ The page in order:
 1. **The algorithm**, for one process: the hyperparameters (`Config`, and where each default comes
    from); the game (`Game`, made by `make_env`); the model (`ActorCritic`, built by `make_model`);
    the advantages (`compute_gae`, `normalize_advantages`); the clipped objective (`ppo_loss`); the
-   rollout, the update and the loop of training (`Trainer`).
+   rollout, kept on the host and crossing to the device once each way per step, the update and the
+   loop of training (`Trainer`). Every run, on every device, plays this rollout and makes this update.
 2. **Sampling at speed**: `Workers`, many games in other processes, frames in shared memory;
-   `DoubleBufferedTrainer`, which steps half of the games while the network chooses for the other half.
+   `FastSamplingTrainer`, the network's side of a step on one thread, from pinned memory and a CUDA graph.
 3. **Running it for real**: the command line (`RunConfig`: `Config` and the settings of one
-   invocation), the hardware choices (`TunedTrainer`), checkpoints, logging and progress, signals
-   (`StopRequest`), the run (`train`, with `RunWorkers` and `RunTrainer`, the trainer that runs),
-   evaluation and video, a trained policy in Python (`load_policy`), `main()`.
+   invocation), the hardware choices (`TunedActorCritic`), checkpoints, logging and progress, signals
+   (`Signals`), the run (`train`, with `RunWorkers` and `RunTrainer`, the trainer that runs), a
+   trained policy in Python (`load_policy`) and its evaluation, videos, `main()`.
 4. **More than one device**: data-parallel training under torchrun (`DataParallelTrainer`, `Ranks`;
    each rank trains with a `DataParallelRunTrainer`).
 
@@ -665,11 +666,10 @@ class Trainer:
         # The rollout's storage, on the host: numpy arrays, which the games' arrays are copied into
         # without a call to torch, and which `torch.from_numpy` shows to torch without a copy.
         shape = (config.num_steps, envs.num_envs)
-        frames = tuple(envs.observation_shape)
-        self.storage = Rollout(self.host_array(shape + frames, np.uint8), self.host_array(shape, np.int64),
+        self.storage = Rollout(self.frame_array(shape), self.host_array(shape, np.int64),
                                *(self.host_array(shape, np.float32) for _ in range(6)))
         self.rollout = Rollout(*(torch.from_numpy(array) for array in self.storage))  # torch's view of it
-        self.next_obs = self.host_array((envs.num_envs,) + frames, np.uint8)
+        self.next_obs = self.frame_array((envs.num_envs,))
         # Where each step's actions, log-probabilities and values land together, on the host: an
         # array, and torch's view of it.
         self.chosen = self.host_array((3, envs.num_envs), np.float32)
@@ -689,6 +689,10 @@ class Trainer:
     def host_array(self, shape: tuple[int, ...], dtype: type) -> np.ndarray:
         """Room on the host for part of the rollout."""
         return np.zeros(shape, dtype)
+
+    def frame_array(self, leading: tuple[int, ...]) -> np.ndarray:
+        """Room on the host for `leading` observations: `uint8` frames, as the games give them."""
+        return self.host_array(leading + tuple(self.envs.observation_shape), np.uint8)
 
     def sample_actions(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         r"""$a \sim \pi_\theta(\cdot|s)$ for each observation, with $\log \pi_\theta(a|s)$ and $V(s)$.
@@ -1395,8 +1399,9 @@ def timer(seconds: dict[str, float], key: str):
 
 class RunTrainer(FastSamplingTrainer):
     """The trainer of a run on one process: Part 2's `FastSamplingTrainer` with the network this machine
-    runs fastest (`TunedActorCritic`, in the precision `config.precision` asks for), and its two phases
-    timed for the log (`seconds`). Part 4's `DataParallelRunTrainer` is this class on several ranks."""
+    runs fastest (`TunedActorCritic`, in the precision `config.precision` asks for, its frames stored
+    in its layout), and its two phases timed for the log (`seconds`). Part 4's `DataParallelRunTrainer`
+    is this class on several ranks."""
 
     def __init__(self, config: Config, envs, device: torch.device):
         self.seconds = {"sampling": 0.0, "update": 0.0}
@@ -1404,6 +1409,12 @@ class RunTrainer(FastSamplingTrainer):
 
     def build_model(self) -> nn.Module:
         return TunedActorCritic(super().build_model(), use_bf16(self.config.precision, self.device))
+
+    def frame_array(self, leading: tuple[int, ...]) -> np.ndarray:
+        # Frames stored channels-last, the network's layout, seen channels first: each step's copy
+        # into the store transposes them, so that a minibatch gathered from it needs no transposition.
+        channels, *pixels = self.envs.observation_shape
+        return np.moveaxis(self.host_array(leading + tuple(pixels) + (channels,), np.uint8), -1, len(leading))
 
     def collect_rollout(self) -> Rollout:
         with timer(self.seconds, "sampling"):

@@ -2268,25 +2268,23 @@ class Video:
     mp4 writer makes MPEG-4 Part 2, which Chromium refuses). PyAV (`av`) carries the x264 encoder
     in its wheel. yuv420p keeps the colour at half resolution, so both sides must be even: an odd
     side is padded by repeating its last row or column. `+faststart` puts the file's index first,
-    so that a browser starts playing before the whole file has arrived.
+    so that a browser starts playing before the whole file has arrived. The directory is made if need be.
     """
 
     def __init__(self, path: Path, fps: float):
         import av  # imported here: only a run that records video needs it
 
+        path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.make_frame = path, av.VideoFrame.from_ndarray
         self.file = av.open(str(path), "w", options={"movflags": "+faststart"})
         self.stream = self.file.add_stream("libx264", rate=fractions.Fraction(fps).limit_denominator(1001))
-        self.stream.pix_fmt = "yuv420p"
-        self.shape: tuple[int, int] | None = None
+        self.stream.pix_fmt, self.shape = "yuv420p", None
 
     def write(self, frame: np.ndarray) -> None:
-        if self.shape is None:
-            self.shape = (frame.shape[0] + frame.shape[0] % 2, frame.shape[1] + frame.shape[1] % 2)
-            self.stream.height, self.stream.width = self.shape
-        padding = ((0, self.shape[0] - frame.shape[0]), (0, self.shape[1] - frame.shape[1]), (0, 0))
-        frame = np.pad(frame, padding, mode="edge") if padding[0][1] or padding[1][1] else frame
-        self.file.mux(self.stream.encode(self.make_frame(np.ascontiguousarray(frame), format="rgb24")))
+        if self.shape is None:  # the first frame sets the size, each side rounded up to an even number
+            self.shape = self.stream.height, self.stream.width = frame.shape[0] + frame.shape[0] % 2, frame.shape[1] + frame.shape[1] % 2
+        frame = np.pad(frame, ((0, self.shape[0] - frame.shape[0]), (0, self.shape[1] - frame.shape[1]), (0, 0)), mode="edge")
+        self.file.mux(self.stream.encode(self.make_frame(frame, format="rgb24")))
 
     def close(self) -> None:
         """Encode the frames x264 still holds and finish the file; a second call does nothing."""

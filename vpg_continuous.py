@@ -63,12 +63,13 @@ The page in order:
    comes from); the environment (`Task`); the model (`GaussianPolicy`, `ValueFunction`, built by
    `make_networks`); the advantages (`compute_gae`, `normalize_advantages`); the policy gradient
    (`vpg_loss`); what the learner sees (`RunningMeanStd`, `ObservationNormalizer`,
-   `RewardScaler`); the rollout, the update and the loop of training (`Trainer`).
+   `RewardScaler`); the rollout, kept on the host and crossing to the device once each way per step,
+   the update and the loop of training (`Trainer`).
 2. **Sampling at speed**: `Workers`, many envs in other processes, observations in shared memory.
 3. **Running it for real**: the command line (`RunConfig`: `Config` and the settings of one
    invocation) and its validation, the hardware choices, checkpoints, logging and progress, signals
-   (`StopRequest`), the run (`train`, with `RunWorkers` and `RunTrainer`, the trainer that runs),
-   evaluation and video, a trained policy in Python (`load_policy`), and `main()`.
+   (`Signals`), the run (`train`, with `RunWorkers` and `RunTrainer`, the trainer that runs), a
+   trained policy in Python (`load_policy`) and its evaluation, videos, and `main()`.
 4. **More than one device** (optional): data-parallel training under torchrun
    (`DataParallelTrainer`, `Ranks`; each rank trains with a `DataParallelRunTrainer`).
 
