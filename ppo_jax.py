@@ -1927,11 +1927,15 @@ class Run:
 
     def close(self) -> None:
         """Wait for the logging thread and close every writer, each once; raise the first error met."""
-        errors, closing = [], [self.logged, *(writer.close for writer in [self.writer, *self.writers] if writer)]
-        self.writer, self.writers = None, []
-        for close in closing:
+        errors = []
+        try:
+            self.logged()  # first: the logging thread writes with the writers closed below
+        except OSError as error:
+            errors.append(error)
+        writers, self.writer, self.writers = [writer for writer in [self.writer, *self.writers] if writer], None, []
+        for writer in writers:
             try:
-                close()
+                writer.close()
             except OSError as error:
                 errors.append(error)
         if errors:
