@@ -185,7 +185,7 @@ class Config:
     vf_coef: float = 0.5
     """Weight of the value loss."""
     max_grad_norm: float = 0.5
-    """Clip the norm of each network's gradient to this, the policy's and the value function's each on its own."""
+    """Clip the gradient's norm to this: the joint norm of the networks a step updates (each apart with `clip_each_network`)."""
     state_dependent_std: bool = False
     """Compute the policy's standard deviation from the state (a second head) rather than learn one per action."""
     normalize_observations: bool = True
