@@ -701,8 +701,8 @@ class Trainer:
         $\pi_\theta(a|s) / E_a$, each $E_a \sim \mathrm{Exp}(1)$, is a sample of $\pi_\theta(\cdot|s)$.
         It is the draw `Categorical.sample()` makes (PyTorch's one-sample `multinomial`), number for
         number on the CPU, without the check of the probabilities that makes `multinomial` wait
-        for the device. Everything here runs on the device, and nothing waits: Part 3 can replay
-        this method as one CUDA graph.
+        for the device. Everything here runs on the device, and nothing waits: Part 2 replays this
+        method as one CUDA graph.
         """
         logits, values = self.model(obs)
         policy = Categorical(logits=logits, validate_args=False)
@@ -727,7 +727,8 @@ class Trainer:
         for t in range(self.config.num_steps):
             # Step $t$: store $s_t$, sample $a_t \sim \pi_\theta(\cdot|s_t)$, and keep
             # $\log \pi_\theta(a_t|s_t)$ and $V(s_t)$, the old policy's numbers that the update
-            # compares against. The frames cross to the device, and the three come back in one copy.
+            # compares against. The frames cross to the device, and the three come back in one copy
+            # (stacked as floats: an action's index is exact in float32).
             storage.obs[t] = self.next_obs
             obs = torch.from_numpy(storage.obs[t]).to(self.device, non_blocking=True)
             self.chosen_tensor.copy_(torch.stack(self.sample_actions(obs)))
