@@ -836,9 +836,9 @@ class Trainer:
     # the budget of steps is spent. What a real run does after each update (logs, progress,
     # checkpoints) is Part 3's `after_update`; a loop of a student's own can be as short as
     # `Trainer(config, envs, device).train(print)`. A real run also times the two calls of the loop
-    # and runs on the machine's fastest settings, in Part 3's `RunTrainer`, which wraps
-    # `collect_rollout`, `sample_actions` and `update_policy` by name: a fork that renames them
-    # renames them there too.
+    # and runs on the machine's fastest settings, in Part 2's `FastSamplingTrainer` (which wraps
+    # `collect_rollout` and `sample_actions`) and Part 3's `RunTrainer` (`collect_rollout` and
+    # `update_policy`), by name: a fork that renames them renames them there too.
 
     def train(self, after_update: typing.Callable[[dict[str, float]], None] = lambda stats: None) -> None:
         """Update until `total_timesteps` agent steps are played, handing each update's statistics to `after_update`."""
@@ -1924,9 +1924,10 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", precision:
 def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
     """Play `eval_episodes` games with the checkpoint's policy; their scores."""
     policy = load_policy(config.eval, choose_device(config.device), config.precision, checkpoint)
+    # Games seeded unlike the training ones; the policy's draws seeded by the run's seed.
     games = [make_env(env_id, seed, game_options(config)) for seed in game_seeds(config.seed + 1_000_003,
                                                                                  config.eval_episodes)]
-    torch.manual_seed(config.seed)  # and games unlike the training ones, above
+    torch.manual_seed(config.seed)
     video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
     # 60 frames a second divided by the frame skip: the video plays in real time.
     videos = [Video(video_dir / f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4", 60 / config.frame_skip)
