@@ -48,9 +48,10 @@ The page in order:
    rollout, kept on the host and crossing to the device once each way per step, the update and the
    loop of training (`Trainer`). Every run, on every device, plays this rollout and makes this update.
 2. **Sampling at speed**: `Workers`, many games in other processes, frames in shared memory;
-   `FastSamplingTrainer`, the network's side of a step on one thread, from pinned memory and a CUDA graph.
+   `FastSamplingTrainer`, the network's side of a step on one thread, from pinned memory and a CUDA
+   graph, with the network in the layout and precision this machine runs fastest (`TunedActorCritic`).
 3. **Running it for real**: the command line (`RunConfig`: `Config` and the settings of one
-   invocation), the hardware choices (`TunedActorCritic`), checkpoints, logging and progress, signals
+   invocation), the device, checkpoints, logging and progress, signals
    (`Signals`), the run (`train`, with `RunWorkers` and `RunTrainer`, the trainer that runs), a
    trained policy in Python (`load_policy`) and its evaluation, videos, `main()`.
 4. **More than one device**: data-parallel training under torchrun (`DataParallelTrainer`, `Ranks`;
@@ -1068,8 +1069,12 @@ class Workers:
 #
 # With the games in other processes, what is left of a step here is the network's: the frames go to
 # the device, the actions come back. `FastSamplingTrainer` is Part 1's `Trainer` with what makes
-# that side fast on the machine at hand; it changes nothing that Part 1 computes.
+# that side fast on the machine at hand; it changes nothing that Part 1 computes beyond the rounding
+# of floating point.
 #
+# * The network is `TunedActorCritic`: Part 1's layers in the `channels_last` layout that the
+#   convolution libraries prefer, with its frames stored so in the rollout, and its torso in bfloat16
+#   where `use_bf16` finds it pays (Part 3's `--precision` decides).
 # * While the games are sampled, torch computes on one thread. A batch of 8 observations gains
 #   little from more, and the threads of a parallel section keep spinning for a while after it ends,
 #   on the very cores the workers need to step their games: sampling ran 25% slower on a CPU, and on
@@ -1084,18 +1089,73 @@ class Workers:
 # on an H200, and 2 to 3% on 2 CPU cores (`benchmarks/README.md` has the runs).
 
 
+def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware: Intel's AMX (`amx_bf16`) or AVX-512 BF16
+    (`avx512_bf16`: AMD Zen 4 and later, some Intel Xeons), read from /proc/cpuinfo."""
+    with contextlib.suppress(OSError):
+        cpuinfo = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
+    return bool(set((cpuinfo or "").split()) & {"amx_bf16", "avx512_bf16"})
+
+
+def use_bf16(precision: str, device: torch.device) -> bool:
+    r"""Whether the torso runs in bfloat16.
+
+    The update dominates training on a CPU, and bfloat16 shortens it wherever the CPU computes in it
+    natively: the whole training step ran 1.6 times faster with AMX (an Intel Xeon) and 1.4 times
+    with AVX-512 BF16 (an AMD EPYC), `python benchmarks/throughput.py --part train --precision both`
+    (the runs are in `benchmarks/README.md`). On a CPU with neither, bfloat16 has no hardware to gain
+    from, and `auto` keeps float32; on CUDA, `auto` keeps float32 and lets cuDNN and cuBLAS use TF32.
+    The heads stay in float32. It learns as float32 does, within the spread of seeds: Breakout to 1M
+    steps, 21.5 in bfloat16 and 22.4 in float32 (`benchmarks/results/breakout-bf16.csv`, `breakout-fp32.csv`).
+    """
+    return device.type == "cpu" and cpu_has_fast_bf16() if precision == "auto" else precision == "bf16"
+
+
+class TunedActorCritic(ActorCritic):
+    """Part 1's network, made of the same layers, run the way this machine runs it fastest.
+
+    Its parameters and the frames it reads are in `channels_last` layout, which the convolution
+    libraries of both CPUs (oneDNN) and GPUs (cuDNN) prefer. With `bf16` the torso runs in bfloat16
+    autocast while the heads stay in float32, so the log-probabilities that PPO compares are
+    computed in full precision.
+    """
+
+    def __init__(self, model: ActorCritic, bf16: bool):
+        super().__init__(model.torso, model.policy, model.value)
+        self.bf16 = bf16
+        self.to(memory_format=torch.channels_last)
+
+    def features(self, obs: torch.Tensor) -> torch.Tensor:
+        # The layout changes on the bytes, then one pass scales them in the torso's own precision.
+        x = obs.contiguous(memory_format=torch.channels_last)
+        if not self.bf16:
+            return self.torso(x * (1.0 / 255.0))
+        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+            return self.torso(x.to(torch.bfloat16).mul_(1.0 / 255.0)).float()  # the heads read float32
+
+
 class FastSamplingTrainer(Trainer):
-    """Part 1's `Trainer`, sampling on one thread, and on CUDA from pinned memory and a CUDA graph
+    """Part 1's `Trainer` with `TunedActorCritic` (its torso in bfloat16 if `bf16`), its frames stored
+    in the network's layout, sampling on one thread, and on CUDA from pinned memory and a CUDA graph
     (`cuda_graph`)."""
 
     cuda_graph = True
 
-    def __init__(self, config: Config, envs, device: torch.device):
-        self.graph = None
+    def __init__(self, config: Config, envs, device: torch.device, bf16: bool = False):
+        self.graph, self.bf16 = None, bf16
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
             torch.backends.cudnn.benchmark = True
         super().__init__(config, envs, device)
+
+    def build_model(self) -> nn.Module:
+        return TunedActorCritic(super().build_model(), self.bf16)
+
+    def frame_array(self, leading: tuple[int, ...]) -> np.ndarray:
+        # Frames stored channels-last, the network's layout, seen channels first: each step's copy
+        # into the store transposes them, so that a minibatch gathered from it needs no transposition.
+        channels, *pixels = self.envs.observation_shape
+        return np.moveaxis(self.host_array(leading + tuple(pixels) + (channels,), np.uint8), -1, len(leading))
 
     def host_array(self, shape: tuple[int, ...], dtype: type) -> np.ndarray:
         if self.device.type != "cuda":
@@ -1325,11 +1385,10 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None]:
     return config, checkpoint
 
 
-# ### Hardware choices
+# ### The device, and the timing of a run
 #
-# Where the network runs, and in what precision and memory layout: choices of the machine, not of
-# the algorithm, which change nothing it computes beyond the rounding of floating point (Part 2's
-# `FastSamplingTrainer` makes the others).
+# Where the network runs, chosen once per process (Part 2's `FastSamplingTrainer` makes the
+# choices of precision and memory layout), and the clock that splits each update's time for the log.
 
 
 def choose_device(requested: str, local_rank: int = 0) -> torch.device:
@@ -1340,51 +1399,6 @@ def choose_device(requested: str, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
-
-
-def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware: Intel's AMX (`amx_bf16`) or AVX-512 BF16
-    (`avx512_bf16`: AMD Zen 4 and later, some Intel Xeons), read from /proc/cpuinfo."""
-    with contextlib.suppress(OSError):
-        cpuinfo = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
-    return bool(set((cpuinfo or "").split()) & {"amx_bf16", "avx512_bf16"})
-
-
-def use_bf16(precision: str, device: torch.device) -> bool:
-    r"""Whether the torso runs in bfloat16.
-
-    The update dominates training on a CPU, and bfloat16 shortens it wherever the CPU computes in it
-    natively: the whole training step ran 1.6 times faster with AMX (an Intel Xeon) and 1.4 times
-    with AVX-512 BF16 (an AMD EPYC), `python benchmarks/throughput.py --part train --precision both`
-    (the runs are in `benchmarks/README.md`). On a CPU with neither, bfloat16 has no hardware to gain
-    from, and `auto` keeps float32; on CUDA, `auto` keeps float32 and lets cuDNN and cuBLAS use TF32.
-    The heads stay in float32. It learns as float32 does, within the spread of seeds: Breakout to 1M
-    steps, 21.5 in bfloat16 and 22.4 in float32 (`benchmarks/results/breakout-bf16.csv`, `breakout-fp32.csv`).
-    """
-    return device.type == "cpu" and cpu_has_fast_bf16() if precision == "auto" else precision == "bf16"
-
-
-class TunedActorCritic(ActorCritic):
-    """Part 1's network, made of the same layers, run the way this machine runs it fastest.
-
-    Its parameters and the frames it reads are in `channels_last` layout, which the convolution
-    libraries of both CPUs (oneDNN) and GPUs (cuDNN) prefer. With `bf16` the torso runs in bfloat16
-    autocast while the heads stay in float32, so the log-probabilities that PPO compares are
-    computed in full precision.
-    """
-
-    def __init__(self, model: ActorCritic, bf16: bool):
-        super().__init__(model.torso, model.policy, model.value)
-        self.bf16 = bf16
-        self.to(memory_format=torch.channels_last)
-
-    def features(self, obs: torch.Tensor) -> torch.Tensor:
-        # The layout changes on the bytes, then one pass scales them in the torso's own precision.
-        x = obs.contiguous(memory_format=torch.channels_last)
-        if not self.bf16:
-            return self.torso(x * (1.0 / 255.0))
-        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
-            return self.torso(x.to(torch.bfloat16).mul_(1.0 / 255.0)).float()  # the heads read float32
 
 
 @contextlib.contextmanager
@@ -1399,23 +1413,13 @@ def timer(seconds: dict[str, float], key: str):
 
 
 class RunTrainer(FastSamplingTrainer):
-    """The trainer of a run on one process: Part 2's `FastSamplingTrainer` with the network this machine
-    runs fastest (`TunedActorCritic`, in the precision `config.precision` asks for, its frames stored
-    in its layout), and its two phases timed for the log (`seconds`). Part 4's `DataParallelRunTrainer`
-    is this class on several ranks."""
+    """The trainer of a run on one process: Part 2's `FastSamplingTrainer`, its torso in the precision
+    `config.precision` asks for, and its two phases timed for the log (`seconds`). Part 4's
+    `DataParallelRunTrainer` is this class on several ranks."""
 
-    def __init__(self, config: Config, envs, device: torch.device):
+    def __init__(self, config: RunConfig, envs, device: torch.device):
         self.seconds = {"sampling": 0.0, "update": 0.0}
-        super().__init__(config, envs, device)
-
-    def build_model(self) -> nn.Module:
-        return TunedActorCritic(super().build_model(), use_bf16(self.config.precision, self.device))
-
-    def frame_array(self, leading: tuple[int, ...]) -> np.ndarray:
-        # Frames stored channels-last, the network's layout, seen channels first: each step's copy
-        # into the store transposes them, so that a minibatch gathered from it needs no transposition.
-        channels, *pixels = self.envs.observation_shape
-        return np.moveaxis(self.host_array(leading + tuple(pixels) + (channels,), np.uint8), -1, len(leading))
+        super().__init__(config, envs, device, bf16=use_bf16(config.precision, device))
 
     def collect_rollout(self) -> Rollout:
         with timer(self.seconds, "sampling"):
@@ -1743,7 +1747,6 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
             raise ConfigError(f"{run_dir} already holds another run's checkpoint; resume that one, or choose another "
                               f"--run-dir for this one" if checkpoint else f"{run_dir} already holds a checkpoint; "
                               f"resume it with --resume {checkpoint_path} or choose another --run-dir")
-        np.random.seed(config.seed + ranks.rank)
         torch.manual_seed(config.seed + ranks.rank)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         num_workers = config.num_workers or max(1, min(config.num_envs, cores // ranks.local_size))

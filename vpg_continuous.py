@@ -1474,7 +1474,7 @@ class RunTrainer(Trainer):
     """The trainer of a run on one process: Part 1's `Trainer`, its two phases timed for the log
     (`seconds`). Part 4's `DataParallelRunTrainer` is this class on several ranks."""
 
-    def __init__(self, config: Config, envs, device: torch.device):
+    def __init__(self, config: RunConfig, envs, device: torch.device):
         self.seconds = {"sampling": 0.0, "update": 0.0}
         super().__init__(config, envs, device)
 

@@ -162,15 +162,9 @@ SAME_TEXT = [
 SCRIPT_NAMES = [("ppo_atari.py", "vpg_continuous.py")]
 NEAR_COPIES = {
     "RunTrainer": [("class RunTrainer(FastSamplingTrainer):", "class RunTrainer(Trainer):"),
-                   ("\n    def build_model(self) -> nn.Module:\n        return TunedActorCritic(super().build_model(), "
-                    "use_bf16(self.config.precision, self.device))\n", ""),
-                   # ppo_atari.py's own: its frames stored in the network's layout.
-                   ("\n    def frame_array(self, leading: tuple[int, ...]) -> np.ndarray:\n"
-                    "        # Frames stored channels-last, the network's layout, seen channels first: each step's copy\n"
-                    "        # into the store transposes them, so that a minibatch gathered from it needs no transposition.\n"
-                    "        channels, *pixels = self.envs.observation_shape\n"
-                    "        return np.moveaxis(self.host_array(leading + tuple(pixels) + (channels,), np.uint8), -1, len(leading))\n",
-                    "")],
+                   # ppo_atari.py's own: Part 2's trainer takes the precision of the torso.
+                   ("super().__init__(config, envs, device, bf16=use_bf16(config.precision, device))",
+                    "super().__init__(config, envs, device)")],
     "RunWorkers": [],
     "load_checkpoint": SCRIPT_NAMES,
 }
