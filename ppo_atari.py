@@ -1932,9 +1932,9 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
                                                                                  config.eval_episodes)]
     torch.manual_seed(config.seed)
     video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
-    # 60 frames a second divided by the frame skip: the video plays in real time.
-    videos = [Video(video_dir / f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4", 60 / config.frame_skip)
-              for index in range(len(games))] if config.capture_video else []
+    if config.capture_video:  # each records its one game, in real time: 60 frames a second over the frame skip
+        games = [RecordedGame(game, video_dir, f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4",
+                              60 / config.frame_skip) for index, game in enumerate(games)]
     scores: dict[int, float] = {}
     for game in games:
         game.reset()
@@ -1942,12 +1942,9 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
         playing = [index for index in range(len(games)) if index not in scores]
         for index, action in zip(playing, policy.act(np.stack([games[index].obs for index in playing]))):
             step = games[index].step(int(action))
-            if videos:
-                videos[index].write(video_frame(games[index]))
             if step.game_over:
                 scores[index] = step.score
-                if videos:
-                    videos[index].close()
+    videos = [video_dir / game.name for game in games] if config.capture_video else []
     if videos:
         print(f"videos in {video_dir}", file=sys.stderr)
     scores = [scores[index] for index in range(len(games))]
@@ -1956,7 +1953,7 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
             for index, score in enumerate(scores):
                 tracking.log({"eval/episodic_return": score}, step=index)
             tracking.summary["eval/mean_return"] = float(np.mean(scores))
-            tracking.log({"videos": [import_wandb().Video(str(video.path), format="mp4") for video in videos]})
+            tracking.log({"videos": [import_wandb().Video(str(video), format="mp4") for video in videos]})
     return scores
 
 
@@ -1968,7 +1965,8 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
 # leaves a few dozen videos rather than thousands. The game is recorded where it is played, in its
 # worker: `make_recorded_env` stands in for `make_env` and wraps that one game in a `RecordedGame`. A
 # video is written under a hidden name and renamed when its game ends, so the main process sees only
-# whole videos, and sends each new one to Weights & Biases with `--track`.
+# whole videos, and sends each new one to Weights & Biases with `--track`. `--eval` records each of
+# its games with a `RecordedGame` too.
 
 
 class Video:
@@ -2017,17 +2015,17 @@ def video_frame(game: Game) -> np.ndarray:
 
 class RecordedGame:
     """A game (as `make_env` makes it) that writes the games `records_game` picks to
-    `<video_dir>/<prefix>-gameNNNN.mp4`."""
+    `<video_dir>/<name>`, where `{}` in `name` stands for the game's index, from 0."""
 
-    def __init__(self, game: Game, video_dir: Path, prefix: str, fps: float):
-        self.game, self.video_dir, self.prefix, self.fps = game, video_dir, prefix, fps
+    def __init__(self, game: Game, video_dir: Path, name: str, fps: float):
+        self.game, self.video_dir, self.name_format, self.fps = game, video_dir, name, fps
         self.obs, self.n_actions, self.render = game.obs, game.n_actions, game.render
         self.games, self.video = 0, None
 
     def reset(self) -> np.ndarray:
         obs = self.game.reset()
         if records_game(self.games):
-            self.name = f"{self.prefix}-game{self.games:04d}.mp4"
+            self.name = self.name_format.format(self.games)
             self.video = Video(self.video_dir / f".{self.name}", self.fps)
             self.video.write(video_frame(self.game))
         self.games += 1
@@ -2045,10 +2043,10 @@ class RecordedGame:
 
 
 def make_recorded_env(env_id: str, seed: int, options: dict, obs: np.ndarray | None = None, *, recorded_seed: int,
-                      video_dir: Path, prefix: str, fps: float) -> Game | RecordedGame:
+                      video_dir: Path, name: str, fps: float) -> Game | RecordedGame:
     """`make_env` for the workers of a recorded run: the game whose seed is `recorded_seed` is a `RecordedGame`."""
     game = make_env(env_id, seed, options, obs=obs)
-    return RecordedGame(game, video_dir, prefix, fps) if int(seed) == recorded_seed else game
+    return RecordedGame(game, video_dir, name, fps) if int(seed) == recorded_seed else game
 
 
 def game_maker(config: RunConfig, env_id: str, run_dir: Path, checkpoint: dict | None) -> typing.Callable:
@@ -2059,7 +2057,8 @@ def game_maker(config: RunConfig, env_id: str, run_dir: Path, checkpoint: dict |
         return make_env
     return functools.partial(make_recorded_env, recorded_seed=int(game_seeds(config.seed, 1)[0]),
                              video_dir=run_dir / "videos", fps=60 / config.frame_skip,
-                             prefix=f"train-{gym.spec(env_id).name}-from-update{checkpoint['update'] if checkpoint else 0}")
+                             name=f"train-{gym.spec(env_id).name}-from-update{checkpoint['update'] if checkpoint else 0}"
+                                  "-game{:04d}.mp4")
 
 
 # ### main

@@ -1999,31 +1999,27 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
     policy = load_policy(config.eval, choose_device(config.device), checkpoint)
     torch.manual_seed(config.seed)
     seeds = env_seeds(config.seed + 1_000_003, config.eval_episodes)  # episodes unlike the training ones
-    tasks = [Task(env_id, seed, config.max_episode_steps, render=config.capture_video) for seed in seeds]
     video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
-    videos, returns, started = [], {}, time.perf_counter()
+    tasks = [RecordedTask(env_id, seed, config.max_episode_steps, None, video_dir,  # each records its one episode
+                          f"eval-{gym.spec(env_id).name}-episode{index:02d}.mp4") if config.capture_video
+             else Task(env_id, seed, config.max_episode_steps) for index, seed in enumerate(seeds)]
+    returns, started = {}, time.perf_counter()
     try:
-        for index, task in enumerate(tasks):
+        for task in tasks:
             task.reset()
-            if config.capture_video:
-                prepare_rendering(task, env_id)
-                videos.append(Video(video_dir / f"eval-{gym.spec(env_id).name}-episode{index:02d}.mp4",
-                                    task.env.metadata.get("render_fps") or 30))
-                videos[index].write(render_frame(task, env_id))
         while len(returns) < len(tasks):
             playing = [index for index in range(len(tasks)) if index not in returns]
             actions = policy.act(np.stack([tasks[index].obs for index in playing]), config.eval_deterministic)
             for index, action in zip(playing, actions):
                 step = tasks[index].step(action)
-                if videos:
-                    videos[index].write(render_frame(tasks[index], env_id))
                 if step.terminated or step.truncated:
                     returns[index] = step.episode_return
                     print(f"episode {len(returns)}/{len(tasks)}: return {step.episode_return:.1f} "
                           f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
     finally:
-        for closing in videos + tasks:
-            closing.close()
+        for task in tasks:
+            task.close()
+    videos = [video_dir / task.name for task in tasks] if config.capture_video else []
     if videos:
         print(f"videos in {video_dir}", file=sys.stderr)
     returns = [returns[index] for index in range(len(tasks))]
@@ -2032,7 +2028,7 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
             for index, episode_return in enumerate(returns):
                 tracking.log({"eval/episodic_return": episode_return}, step=index)
             tracking.summary["eval/mean_return"] = float(np.mean(returns))
-            tracking.log({"videos": [import_wandb().Video(str(video.path), format="mp4") for video in videos]})
+            tracking.log({"videos": [import_wandb().Video(str(video), format="mp4") for video in videos]})
     return returns
 
 
@@ -2046,7 +2042,8 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
 # leaves a few dozen videos rather than thousands. The episode is recorded where it is played, in
 # its worker: `make_recorded_task` stands in for `Task` and makes that one env a `RecordedTask`. A
 # video is written under a hidden name and renamed when its episode ends, so the main process sees
-# only whole videos, and sends each new one to Weights & Biases with `--track`. Rendering costs: a
+# only whole videos, and sends each new one to Weights & Biases with `--track`; `--eval` records each
+# of its episodes with a `RecordedTask` too. Rendering costs: a
 # MuJoCo frame drawn in software takes tens of milliseconds, so a recorded HalfCheetah episode adds
 # about a minute to the run.
 
@@ -2149,20 +2146,20 @@ def records_episode(index: int) -> bool:
 
 
 class RecordedTask(Task):
-    """A `Task` that renders, and writes the episodes `records_episode` picks to
-    `<video_dir>/<prefix>-episodeNNNN.mp4`."""
+    """A `Task` that renders, and writes the episodes `records_episode` picks to `<video_dir>/<name>`,
+    where `{}` in `name` stands for the episode's index, from 0."""
 
     def __init__(self, env_id: str, seed: int, max_episode_steps: int | None, obs: np.ndarray | None,
-                 video_dir: Path, prefix: str):
+                 video_dir: Path, name: str):
         super().__init__(env_id, seed, max_episode_steps, obs=obs, render=True)
         prepare_rendering(self, env_id)
-        self.env_id, self.video_dir, self.prefix = env_id, video_dir, prefix
+        self.env_id, self.video_dir, self.name_format = env_id, video_dir, name
         self.episodes, self.video = 0, None
 
     def reset(self) -> np.ndarray:
         obs = super().reset()
         if records_episode(self.episodes):
-            self.name = f"{self.prefix}-episode{self.episodes:04d}.mp4"
+            self.name = self.name_format.format(self.episodes)
             self.video = Video(self.video_dir / f".{self.name}", self.env.metadata.get("render_fps") or 30)
             self.video.write(render_frame(self, self.env_id))
         self.episodes += 1
@@ -2187,10 +2184,10 @@ class RecordedTask(Task):
 
 
 def make_recorded_task(env_id: str, seed: int, max_episode_steps: int | None = None, obs: np.ndarray | None = None,
-                       *, recorded_seed: int, video_dir: Path, prefix: str) -> Task:
+                       *, recorded_seed: int, video_dir: Path, name: str) -> Task:
     """`Task` for the workers of a recorded run: the env whose seed is `recorded_seed` is a `RecordedTask`."""
     if int(seed) == recorded_seed:
-        return RecordedTask(env_id, seed, max_episode_steps, obs, video_dir, prefix)
+        return RecordedTask(env_id, seed, max_episode_steps, obs, video_dir, name)
     return Task(env_id, seed, max_episode_steps, obs=obs)
 
 
@@ -2201,7 +2198,8 @@ def task_maker(config: RunConfig, env_id: str, run_dir: Path, first_update: int)
     if not config.capture_video:
         return Task
     return functools.partial(make_recorded_task, recorded_seed=int(env_seeds(config.seed, 1, first_update)[0]),
-                             video_dir=run_dir / "videos", prefix=f"train-{gym.spec(env_id).name}-from-update{first_update}")
+                             video_dir=run_dir / "videos",
+                             name=f"train-{gym.spec(env_id).name}-from-update{first_update}-episode{{:04d}}.mp4")
 
 
 # ### main

@@ -25,7 +25,7 @@ def test_the_schedule_is_the_cubes_to_1000_then_every_1000th(records):
 @in_a_fresh_process
 def test_a_recorded_game_appears_whole_when_it_ends_and_only_the_scheduled_ones(tmp_path):
     options = {**ppo_atari.game_options(ppo_atari.Config()), "max_episode_frames": 200}
-    game = ppo_atari.RecordedGame(ppo_atari.make_env("ALE/Breakout-v5", 3, options), tmp_path, "train-x", 15)
+    game = ppo_atari.RecordedGame(ppo_atari.make_env("ALE/Breakout-v5", 3, options), tmp_path, "train-x-game{:04d}.mp4", 15)
     rng = np.random.default_rng(0)
     lengths, videos = [], ["train-x-game0000.mp4", "train-x-game0001.mp4"]
     for index in range(3):
@@ -80,7 +80,7 @@ def test_vpg_records_its_first_env_while_training_and_a_resumed_run_adds_its_own
 
 @in_a_fresh_process
 def test_an_episode_cut_short_by_the_end_of_the_run_leaves_no_file(tmp_path):
-    task = vpg.RecordedTask("Pendulum-v1", 1, None, None, tmp_path, "train-x")
+    task = vpg.RecordedTask("Pendulum-v1", 1, None, None, tmp_path, "train-x-episode{:04d}.mp4")
     task.reset()
     steps = 0
     while not list(tmp_path.iterdir()):  # x264 holds its first frames back before the file is written
