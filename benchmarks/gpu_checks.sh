@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, prepared to run in one go on a machine lent for a few minutes:
+#
+#   bash benchmarks/gpu_checks.sh pytorch     (at most 7.5 minutes: the limits of its steps)
+#   bash benchmarks/gpu_checks.sh jax         (at most 6 minutes)
+#
+# Two calls, since a lent machine runs one command for at most 10 minutes; `all` runs both.
+#
+# pytorch: ppo_atari.py's training speed on CUDA beside its workers alone, at 8 and 32 games
+#          (issue 41: training at least 0.7 of the workers, the rollout alone at least 0.8), then
+#          every test that needs a GPU for the PyTorch scripts.
+# jax:     ppo_jax.py with 2,048 CartPole agents x 500k steps, the whole process against the
+#          compiled program (issue 42: at most 1.2 times), then ppo_jax.py's GPU tests.
+#
+# Each step has its own time limit and the script goes on after a failure, so that one slow step
+# does not cost the others; it ends with a line per step and its exit status. The measurements go
+# to $OUT (the folder the device machine sends back) or, without it, to benchmarks/results, named
+# after the GPU.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+part=${1:-all}
+out=${OUT:-benchmarks/results}
+mkdir -p "$out"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | tr -cs 'A-Za-z0-9' '-' | sed 's/-$//')
+gpu=${gpu:-cuda}
+summary=()
+
+step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit, log it, note how it ended
+    local name=$1 seconds=$2
+    shift 2
+    echo "== $name: $*"
+    local started=$SECONDS
+    timeout -s INT "$seconds" "$@" 2>&1 | tee "$out/$name.log"
+    local status=${PIPESTATUS[0]}
+    summary+=("$name: exit $status after $((SECONDS - started)) s")
+}
+
+if [ "$part" = pytorch ] || [ "$part" = all ]; then
+    step throughput 270 python benchmarks/throughput.py --part train --device cuda --precision fp32 \
+        --num-envs 8 32 --rounds 3 --json "$out/throughput-cuda-$gpu.json"
+    step torch-gpu-tests 180 python -m pytest -q -rs tests/test_ppo_atari_cuda.py \
+        tests/test_ppo_atari_cli.py::test_ctrl_c_on_the_gpu_saves_a_checkpoint_and_leaves_no_process \
+        tests/test_vpg_continuous_cli.py::test_trains_resumes_and_evaluates_on_the_gpu
+fi
+if [ "$part" = jax ] || [ "$part" = all ]; then
+    step ppo-jax-overhead 240 python benchmarks/ppo_jax_speed.py --part overhead --seeds 2048 \
+        --total-timesteps 500000 --repeats 1 --json "$out/ppo_jax-overhead-$gpu.json"
+    step jax-gpu-tests 120 python -m pytest -q -rs tests/test_ppo_jax_cli.py::test_trains_on_the_gpu_where_there_is_one
+fi
+printf '%s\n' "${summary[@]}"
