@@ -1753,7 +1753,8 @@ def log_chunk(run: Run, metrics: dict, episodes: jax.Array, count: int, first_up
         low, high = counted.min(), counted.max()
         run.progress.score = (f"{np.nanmean(metrics['recent_return'][-1][episodes > 0]):.1f} (mean of last "
                               f"{low if low == high else f'{low}-{high}'} {run.progress.unit})")
-    run.progress.show(int(steps[-1]))
+    with run.signals.writing:
+        run.progress.show(int(steps[-1]))
 
 
 def read_agent_series(path: str | Path) -> dict[str, np.ndarray]:
@@ -1789,14 +1790,20 @@ def read_agent_series(path: str | Path) -> dict[str, np.ndarray]:
 # go of Python's lock while it works. To exit at once the thread calls `os._exit`, which raises
 # nothing: an exception from a handler (`KeyboardInterrupt`) lands wherever the main thread happens
 # to be, and inside a finalizer Python can only print it as "Exception ignored" and go on.
+#
+# The other threads go on until `os._exit`, and must say nothing once the thread has said the run
+# is aborted: the main thread, just done with the checkpoint the abort waited for, would otherwise
+# print "stopped at update K" after it, while the thread waits for Python's lock to exit. So one
+# lock, `writing`, is held for a checkpoint's write and for every line the run prints after
+# training begins, and the thread takes it to abort and never lets go.
 
 
 class Signals:
     """Ctrl-C (SIGINT) and SIGTERM, heard by a thread of their own while the `with` block runs.
 
     Once `training` is set, the first signal becomes `requested`: the run stops at its next safe
-    point. Any other ends the process at once, naming `last_checkpoint()`, after a checkpoint being
-    written (while `writing` is held) is whole.
+    point. Any other ends the process at once, naming `last_checkpoint()`, once `writing` is free: a
+    checkpoint being written is whole, and a line being printed ends before the abort's, the last.
     """
 
     def __init__(self):
@@ -1819,7 +1826,7 @@ class Signals:
                 print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
                       "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
                 continue
-            with self.writing:
+            with self.writing:  # never let go: nothing is written or printed after this line
                 last = self.last_checkpoint()
                 print(f"\n{'aborted by a second interrupt' if self.training else 'interrupted before training began'}"
                       f": no checkpoint written now; {f'the last one is {last}' if last else 'none was written'}",
@@ -2062,22 +2069,24 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
         if update % config.checkpoint_every:
             save()
         run.close()
-        run.progress.show(update * config.batch_size, final=True)
-        if signals.requested:
-            print(f"stopped at update {update}; resume with --resume {run.checkpoint_path}", file=sys.stderr)
-            return 128 + signals.requested
-        print(f"done: {update * config.batch_size:,} steps; checkpoint in {run.checkpoint_path}", file=sys.stderr)
-        return 0
+        with signals.writing:  # a second Ctrl-C's line, if it comes now, is the last (see `Signals`)
+            run.progress.show(update * config.batch_size, final=True)
+            if signals.requested:
+                print(f"stopped at update {update}; resume with --resume {run.checkpoint_path}", file=sys.stderr)
+                return 128 + signals.requested
+            print(f"done: {update * config.batch_size:,} steps; checkpoint in {run.checkpoint_path}", file=sys.stderr)
+            return 0
     except (DivergedError, OSError) as error:
         run.end()  # the logging thread done first, so that this is the last line
         last = run.last_checkpoint()
-        if isinstance(error, DivergedError):
-            print(f"\n{error}; " + (f"the last good checkpoint is {last}" if last else "no checkpoint was written"),
-                  file=sys.stderr)
-        else:  # a file of the run could not be written, on a full disk, say; what was written before is whole
-            reason = error.strerror[0].lower() + error.strerror[1:] if error.strerror else str(error)
-            print(f"\n{PROG}: error: {reason} while writing {error.filename}; "
-                  + (f"the last checkpoint is {last}" if last else "none was written"), file=sys.stderr)
+        with signals.writing:
+            if isinstance(error, DivergedError):
+                print(f"\n{error}; " + (f"the last good checkpoint is {last}" if last else "no checkpoint was written"),
+                      file=sys.stderr)
+            else:  # a file of the run could not be written, on a full disk, say; what was written before is whole
+                reason = error.strerror[0].lower() + error.strerror[1:] if error.strerror else str(error)
+                print(f"\n{PROG}: error: {reason} while writing {error.filename}; "
+                      + (f"the last checkpoint is {last}" if last else "none was written"), file=sys.stderr)
         return 1
     finally:
         run.end()
