@@ -1862,15 +1862,19 @@ class Signals:
 
 
 class Run:
-    """A training run's directory and its lock, its writers and the thread that logs, its checkpoint and tracking."""
+    """A training run's directory and its lock, its writers and the thread that logs, its checkpoint and tracking.
+
+    All it opens is entered on `opened`, a `contextlib.ExitStack`, which closes them in the reverse
+    order however the run ends: the logging thread done first (what it could not write raised,
+    once the rest is closed), then the writers, the tracking, the thread hook and last the lock.
+    """
 
     def __init__(self, config: RunConfig, env_id: str, checkpoint: dict | None, signals: Signals):
         name = env_id if env_id in GYMNAX_FAMILIES else gym.spec(env_id).name
         self.dir = Path(config.run_dir or (Path(config.resume).parent if checkpoint else
                                            Path("runs") / f"{name}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"))
         self.config, self.env_id, self.resumed, self.signals = config, env_id, checkpoint is not None, signals
-        self.checkpoint_path, self.tracking, self.logger, self.logging = self.dir / "checkpoint.msgpack", None, None, None
-        self.writer, self.writers = None, []
+        self.checkpoint_path, self.tracking, self.logging = self.dir / "checkpoint.msgpack", None, None
         if self.checkpoint_path.exists() and not (checkpoint and self.checkpoint_path.samefile(config.resume)):
             raise ConfigError(f"{self.dir} already holds a checkpoint{f' of another run than {config.resume}' if checkpoint else ''}; "
                               f"resume it with --resume {self.checkpoint_path} or choose another --run-dir")
@@ -1878,13 +1882,14 @@ class Run:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise ConfigError(f"cannot create the run directory {self.dir}: {error.strerror}") from None
-        self.lock = open(self.dir / "run.lock", "a+")
+        self.opened = contextlib.ExitStack()
+        self.lock = self.opened.enter_context(open(self.dir / "run.lock", "a+"))
         try:
             fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self.lock.seek(0)
             holder = self.lock.read().strip()
-            self.lock.close()
+            self.opened.close()
             raise ConfigError(f"{self.dir} is in use by another run (process {holder})") from None
         self.lock.truncate(0)
         self.lock.write(f"{os.getpid()}\n")
@@ -1900,13 +1905,16 @@ class Run:
         """The run's writer and, for several agents, the first `AGENT_WRITERS`' own; the logging thread."""
         if self.config.track:  # before the writers, so that wandb sees their events
             self.tracking = start_tracking(self.config, self.dir.name)
+            self.opened.callback(self.tracking.finish)
         # A writer's thread that cannot write dies of it, and its writer raises the error again at its next event,
         # where the run reports it in one line: Python's traceback of the thread's death is left out.
-        self.excepthook = threading.excepthook
-        threading.excepthook = lambda args: None if issubclass(args.exc_type, OSError) else self.excepthook(args)
-        self.writer, self.progress = EventWriter(self.dir), progress
+        self.opened.callback(setattr, threading, "excepthook", threading.excepthook)
+        threading.excepthook = lambda args, hook=threading.excepthook: None if issubclass(args.exc_type, OSError) else hook(args)
+        self.progress, self.writer, self.writers = progress, EventWriter(self.dir), []
         if self.config.num_seeds > 1:
             self.writers = [EventWriter(self.dir / f"agent-{i}") for i in range(min(self.config.num_seeds, AGENT_WRITERS))]
+        for writer in [self.writer, *self.writers]:
+            self.opened.callback(writer.close)
         if not self.resumed:  # the first event: the hyperparameters, as a table in TensorBoard's text tab
             table = "\n".join(["|parameter|value|", "|-|-|", f"|env_id|{self.env_id}|",
                                *(f"|{key}|{value}|" for key, value in dataclasses.asdict(self.config).items())])
@@ -1914,7 +1922,8 @@ class Run:
                 dtype="DT_STRING", string_val=[table.encode()], tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)])),
                 metadata=SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
                     plugin_name="text", content=TextPluginData(version=0).SerializeToString())))
-        self.logger = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="logging")
+        self.logger = self.opened.enter_context(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="logging"))
+        self.opened.callback(self.logged)  # the first to run at the end: the logging thread writes with the writers
 
     def log(self, *chunk) -> None:
         """Hand a chunk to the logging thread (`log_chunk`) once it is done with the last; raise what that raised."""
@@ -1931,35 +1940,6 @@ class Run:
         self.logged()
         for writer in [self.writer, *self.writers]:
             writer.flush()
-
-    def close(self) -> None:
-        """Wait for the logging thread and close every writer, each once; raise the first error met."""
-        errors = []
-        try:
-            self.logged()  # first: the logging thread writes with the writers closed below
-        except OSError as error:
-            errors.append(error)
-        writers, self.writer, self.writers = [writer for writer in [self.writer, *self.writers] if writer], None, []
-        for writer in writers:
-            try:
-                writer.close()
-            except OSError as error:
-                errors.append(error)
-        if errors:
-            raise errors[0]
-
-    def end(self) -> None:
-        """Whatever the run's end: close quietly (an error is reported already, or less than one that was), then
-        let go of the logging thread, the tracking, the hook and the lock."""
-        with contextlib.suppress(OSError):
-            self.close()
-        if self.logger is not None:
-            self.logger.shutdown()
-        if self.tracking is not None:
-            self.tracking, tracking = None, self.tracking
-            tracking.finish()
-        threading.excepthook = getattr(self, "excepthook", threading.excepthook)
-        self.lock.close()
 
     def last_checkpoint(self) -> Path | None:
         """The newest checkpoint of this run that exists: its own, else the one it resumed from, else none."""
@@ -2007,77 +1987,68 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
     choose_device(config.device)
     run = Run(config, env_id, checkpoint, signals)
     try:
-        training = make_train(config, env_id, convolution_layer())
-        keys, atari = agent_keys(config), isinstance(training.env, AtariEnv)
-        if checkpoint is not None and atari:  # its games were not saved (see `storable`): new ones, from the update's seeds
-            keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, checkpoint["update"])
-        runners = jax.jit(jax.vmap(training.init))(keys)
-        if checkpoint is not None:
-            restored = restore_tree(storable(runners), checkpoint["runners"], config.resume)
-            games = runners if atari else restored
-            runners = restored._replace(key=jax.random.wrap_key_data(restored.key), env_state=games.env_state,
-                                        obs=games.obs, episode_returns=games.episode_returns,
-                                        episode_lengths=games.episode_lengths)
-            print(f"resumed at step {checkpoint['global_step']:,} (update {checkpoint['update']}) from {config.resume}",
-                  file=sys.stderr)
-        # Place the agents over the devices; everything computed from them stays where they are.
-        mesh = seed_mesh(config.num_seeds)
-        runners, update = jax.device_put(runners, split_over_seeds(mesh)), checkpoint["update"] if checkpoint else 0
-        print(describe_devices(mesh, config.num_seeds), file=sys.stderr)
-        started, length = time.perf_counter(), min(config.checkpoint_every, config.num_updates, LONGEST_CHUNK)
-        train_chunk = compile_train_chunk(training, length, runners, mesh)
-        print(f"{env_id}: {config.num_seeds} agent(s), compiled in {time.perf_counter() - started:.1f} s; "
-              f"logs and checkpoints in {run.dir}", file=sys.stderr)
-        run.open_writers(Progress(config.num_updates * config.batch_size, update * config.batch_size,
-                                  config.num_seeds, "games" if atari else "episodes"))
+        with run.opened:  # whatever the end, what the run opened is closed here (see `Run`)
+            training = make_train(config, env_id, convolution_layer())
+            keys, atari = agent_keys(config), isinstance(training.env, AtariEnv)
+            if checkpoint is not None and atari:  # its games were not saved (see `storable`): new ones, from the update's seeds
+                keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, checkpoint["update"])
+            runners = jax.jit(jax.vmap(training.init))(keys)
+            if checkpoint is not None:
+                restored = restore_tree(storable(runners), checkpoint["runners"], config.resume)
+                games = runners if atari else restored
+                runners = restored._replace(key=jax.random.wrap_key_data(restored.key), env_state=games.env_state,
+                                            obs=games.obs, episode_returns=games.episode_returns,
+                                            episode_lengths=games.episode_lengths)
+                print(f"resumed at step {checkpoint['global_step']:,} (update {checkpoint['update']}) from {config.resume}",
+                      file=sys.stderr)
+            # Place the agents over the devices; everything computed from them stays where they are.
+            mesh = seed_mesh(config.num_seeds)
+            runners, update = jax.device_put(runners, split_over_seeds(mesh)), checkpoint["update"] if checkpoint else 0
+            print(describe_devices(mesh, config.num_seeds), file=sys.stderr)
+            started, length = time.perf_counter(), min(config.checkpoint_every, config.num_updates, LONGEST_CHUNK)
+            train_chunk = compile_train_chunk(training, length, runners, mesh)
+            print(f"{env_id}: {config.num_seeds} agent(s), compiled in {time.perf_counter() - started:.1f} s; "
+                  f"logs and checkpoints in {run.dir}", file=sys.stderr)
+            run.open_writers(Progress(config.num_updates * config.batch_size, update * config.batch_size,
+                                      config.num_seeds, "games" if atari else "episodes"))
 
-        def dispatch(count: int) -> tuple:
-            """Start the next chunk, of at most `count` updates, and return at once: JAX computes it meanwhile."""
-            count = min(count, config.checkpoint_every - update % config.checkpoint_every, config.num_updates - update)
-            return count, time.perf_counter(), *train_chunk(runners, jnp.int32(count))
+            def dispatch(count: int) -> tuple:
+                """Start the next chunk, of at most `count` updates, and return at once: JAX computes it meanwhile."""
+                count = min(count, config.checkpoint_every - update % config.checkpoint_every, config.num_updates - update)
+                return count, time.perf_counter(), *train_chunk(runners, jnp.int32(count))
 
-        def save() -> None:
-            run.flush()  # so that a checkpoint never holds more of the run than its logs
-            run.write_checkpoint(checkpoint_state(config, env_id, update, update * config.batch_size,
-                                                  runners=storable(runners)))
+            def save() -> None:
+                run.flush()  # so that a checkpoint never holds more of the run than its logs
+                run.write_checkpoint(checkpoint_state(config, env_id, update, update * config.batch_size,
+                                                      runners=storable(runners)))
 
-        signals.training = True
-        chunk = dispatch(1)  # the first chunk: one update, to time it
-        while chunk is not None:
-            count, dispatched, new_runners, metrics = chunk
-            if jnp.any(metrics["diverged"]):  # all that crosses to the host now, once the chunk is done: one flag
-                at, agent = np.argwhere(jax.device_get(metrics["diverged"]))[0]
-                largest_step = float(metrics["largest_step"][at, agent])
-                raise DivergedError(f"diverged at update {update + at + 1} (agent {agent}): " + (
-                    f"a step would have moved the weights by {largest_step:.3g} in root mean square, more than "
-                    f"{MAX_STEP_RMS:g}" if largest_step > MAX_STEP_RMS else
-                    "the loss or the parameters became NaN or infinite") + "; no step was taken from there on")
-            seconds = time.perf_counter() - dispatched
-            runners, first_update, update = new_runners, update, update + count
-            # The next chunk, as many updates as fit in `CHUNK_SECONDS` at this one's speed.
-            chunk = None if update >= config.num_updates or signals.requested else dispatch(
-                max(1, min(length, int(CHUNK_SECONDS * count / seconds))))
-            run.log(metrics, runners.episodes, count, first_update, count * config.batch_size * config.num_seeds / seconds)
-            if update % config.checkpoint_every == 0:
-                save()
-                if config.capture_video:  # an episode of the first agent's policy now, as CleanRL records its first env's
+            signals.training = True
+            chunk = dispatch(1)  # the first chunk: one update, to time it
+            while chunk is not None:
+                count, dispatched, new_runners, metrics = chunk
+                if jnp.any(metrics["diverged"]):  # all that crosses to the host now, once the chunk is done: one flag
+                    at, agent = np.argwhere(jax.device_get(metrics["diverged"]))[0]
+                    largest_step = float(metrics["largest_step"][at, agent])
+                    raise DivergedError(f"diverged at update {update + at + 1} (agent {agent}): " + (
+                        f"a step would have moved the weights by {largest_step:.3g} in root mean square, more than "
+                        f"{MAX_STEP_RMS:g}" if largest_step > MAX_STEP_RMS else
+                        "the loss or the parameters became NaN or infinite") + "; no step was taken from there on")
+                seconds = time.perf_counter() - dispatched
+                runners, first_update, update = new_runners, update, update + count
+                # The next chunk, as many updates as fit in `CHUNK_SECONDS` at this one's speed.
+                chunk = None if update >= config.num_updates or signals.requested else dispatch(
+                    max(1, min(length, int(CHUNK_SECONDS * count / seconds))))
+                run.log(metrics, runners.episodes, count, first_update, count * config.batch_size * config.num_seeds / seconds)
+                if update % config.checkpoint_every == 0 or chunk is None:
+                    save()
+                if update % config.checkpoint_every == 0 and config.capture_video:
+                    # An episode of the first agent's policy now, as CleanRL records its first env's.
                     agent = jax.tree.map(lambda value: value[0], (runners.agent.params, runners.normalizer))
                     videos = record_videos(config, env_id, make_env(env_id, 1, config), training.network, agent,
                                            jax.random.fold_in(keys[0], update), run.dir / "videos", f"train-update{update}")
                     if run.tracking is not None:
                         run.tracking.log({"videos": [import_wandb().Video(str(path), format="mp4") for path in videos]})
-        if update % config.checkpoint_every:
-            save()
-        run.close()
-        with signals.writing:  # a second Ctrl-C's line, if it comes now, is the last (see `Signals`)
-            run.progress.show(update * config.batch_size, final=True)
-            if signals.requested:
-                print(f"stopped at update {update}; resume with --resume {run.checkpoint_path}", file=sys.stderr)
-                return 128 + signals.requested
-            print(f"done: {update * config.batch_size:,} steps; checkpoint in {run.checkpoint_path}", file=sys.stderr)
-            return 0
-    except (DivergedError, OSError) as error:
-        run.end()  # the logging thread done first, so that this is the last line
+    except (DivergedError, OSError) as error:  # the logging thread is done, so that this is the last line
         last = run.last_checkpoint()
         with signals.writing:
             if isinstance(error, DivergedError):
@@ -2088,8 +2059,13 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
                 print(f"\n{PROG}: error: {reason} while writing {error.filename}; "
                       + (f"the last checkpoint is {last}" if last else "none was written"), file=sys.stderr)
         return 1
-    finally:
-        run.end()
+    with signals.writing:  # a second Ctrl-C's line, if it comes now, is the last (see `Signals`)
+        run.progress.show(update * config.batch_size, final=True)
+        if signals.requested:
+            print(f"stopped at update {update}; resume with --resume {run.checkpoint_path}", file=sys.stderr)
+            return 128 + signals.requested
+        print(f"done: {update * config.batch_size:,} steps; checkpoint in {run.checkpoint_path}", file=sys.stderr)
+        return 0
 
 
 # ### Experiment tracking
