@@ -122,7 +122,7 @@ import typing
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, NamedTuple
+from typing import Any, Callable, Literal, NamedTuple
 
 import flax.linen as nn
 import flax.serialization
@@ -1565,19 +1565,24 @@ def save_checkpoint(state: dict, path: Path) -> None:
     """Write `state` to `path` atomically; an `OSError` names `path`, and leaves whatever was there as it was."""
     temporary = path.with_name(f"{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
     try:
-        with open(temporary, "xb") as file:
-            file.write(flax.serialization.msgpack_serialize(state))
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException as error:
-        temporary.unlink(missing_ok=True)
-        raise naming(error, path) if isinstance(error, OSError) else error
+        with naming(path):
+            with open(temporary, "xb") as file:
+                file.write(flax.serialization.msgpack_serialize(state))
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)  # what a failure left behind; after the rename, there is none
 
 
-def naming(error: OSError, path: Path) -> OSError:
-    """`error` again, naming `path`: the file (or directory) that could not be written, for the run's one line."""
-    return OSError(error.errno, error.strerror, str(path))
+@contextlib.contextmanager
+def naming(path: Path) -> typing.Iterator[None]:
+    """Raise an `OSError` of the block again, naming `path`: the file (or directory) that could not be written,
+    for the run's one line."""
+    try:
+        yield
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(path)) from error
 
 
 def load_checkpoint(path: str) -> dict:
@@ -1659,17 +1664,13 @@ class EventWriter:
 
     def add(self, step: int, **value) -> None:
         """An event of one `Summary.Value(**value)`: `add(step, tag=..., simple_value=...)` is a scalar."""
-        try:
+        with naming(self.directory):
             self.writer.add_event(Event(summary=Summary(value=[Summary.Value(**value)]), step=int(step),
                                         wall_time=time.time()))
-        except OSError as error:
-            raise naming(error, self.directory) from error
 
     def flush(self) -> None:
-        try:
+        with naming(self.directory):
             self.writer.flush()  # raises what the thread could not write
-        except OSError as error:
-            raise naming(error, self.directory) from error
 
     def close(self) -> None:
         try:
@@ -1743,11 +1744,8 @@ def log_chunk(run: Run, metrics: dict, episodes: jax.Array, count: int, first_up
             records[name] = value
         record = io.BytesIO()
         np.save(record, records)
-        try:
-            with open(run.dir / AGENTS_FILE, "ab") as file:
-                file.write(record.getvalue())  # in one piece: a crash leaves whole records, at worst a torn last one
-        except OSError as error:
-            raise naming(error, run.dir / AGENTS_FILE) from error
+        with naming(run.dir / AGENTS_FILE), open(run.dir / AGENTS_FILE, "ab") as file:
+            file.write(record.getvalue())  # in one piece: a crash leaves whole records, at worst a torn last one
     counted = np.minimum(episodes, SCORE_WINDOW)[episodes > 0]
     if counted.size:
         low, high = counted.min(), counted.max()
@@ -2194,7 +2192,6 @@ def record_videos(config: AtariConfig, env_id: str, env: BatchedEnv, network: nn
     """
     step = jax.jit(functools.partial(evaluation_step, network, env))
     carry, atari = jax.jit(functools.partial(evaluation_start, env))(key), isinstance(env, AtariEnv)
-    video_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         if atari:
             import cv2
@@ -2210,21 +2207,16 @@ def record_videos(config: AtariConfig, env_id: str, env: BatchedEnv, network: nn
             f"{name}-{env.game}-game{index:02d}.mp4" if atari else f"{name}-{env_id}-episode{index:02d}.mp4"), fps)))
             for index in range(env.num_envs)]
 
-        def draw(state: Any, indices: Iterable[int]) -> None:
-            state = jax.device_get(state)
-            for index in indices:
-                videos[index].write(render_gymnax(env_id, env, jax.tree.map(lambda value: value[index], state)))
-
-        if not atari:
-            draw(carry[1], range(env.num_envs))
         while (playing := np.asarray(carry[3])).any():
+            if not atari:  # each gymnax state a step starts from: the first, and every step's but the last
+                state = jax.device_get(carry[1])
+                for index in np.flatnonzero(playing):
+                    videos[index].write(render_gymnax(env_id, env, jax.tree.map(lambda value: value[index], state)))
             before, (carry, actions) = carry, step(agent[0], carry, agent[1])
-            if not atari:
-                draw(carry[1], np.flatnonzero(np.asarray(carry[3])))
-                continue
-            screens = twin.step(np.asarray(env.actions_played(before[1], actions)))[0][:, 0]
-            for index in np.flatnonzero(playing):
-                videos[index].write(cv2.resize(screens[index], None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST))
+            if atari:  # the twin's screen after the step, the game's last included
+                screens = twin.step(np.asarray(env.actions_played(before[1], actions)))[0][:, 0]
+                for index in np.flatnonzero(playing):
+                    videos[index].write(cv2.resize(screens[index], None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST))
     return [video.path for video in videos]
 
 
