@@ -133,10 +133,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tensorboard.compat.proto.event_pb2 import Event
-from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
-from tensorboard.compat.proto.tensor_pb2 import TensorProto
-from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
-from tensorboard.plugins.text.plugin_data_pb2 import TextPluginData
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.plugins.text.summary_v2 import text_pb
 from tensorboard.summary.writer import event_file_writer
 
 
@@ -1916,10 +1914,8 @@ class Run:
         if not self.resumed:  # the first event: the hyperparameters, as a table in TensorBoard's text tab
             table = "\n".join(["|parameter|value|", "|-|-|", f"|env_id|{self.env_id}|",
                                *(f"|{key}|{value}|" for key, value in dataclasses.asdict(self.config).items())])
-            self.writer.add(0, tag="hyperparameters/text_summary", tensor=TensorProto(
-                dtype="DT_STRING", string_val=[table.encode()], tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)])),
-                metadata=SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
-                    plugin_name="text", content=TextPluginData(version=0).SerializeToString())))
+            text = text_pb("hyperparameters/text_summary", table).value[0]  # tensorboard's own text summary
+            self.writer.add(0, tag=text.tag, tensor=text.tensor, metadata=text.metadata)
         self.logger = self.opened.enter_context(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="logging"))
         self.opened.callback(self.logged)  # the first to run at the end: the logging thread writes with the writers
 
