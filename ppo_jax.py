@@ -1288,9 +1288,6 @@ class RunConfig(AtariConfig):
     """The Weights & Biases team or user that `--track` sends the run to (default: your own)."""
 
 
-RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.name for field in dataclasses.fields(AtariConfig)}
-
-
 # Each kind of environment starts from its own settings; classic control's are the defaults above.
 # Atari's are baselines' (`ppo2`) Atari defaults, which are also `ppo_atari.py`'s: 8 games, a clip
 # range of 0.1 annealed, 10M steps, and otherwise the defaults above. CleanRL's `ppo_atari.py` has
@@ -1465,8 +1462,8 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
     checkpoint, path = None, given.get("resume") or given.get("eval")
     if path is not None and not (given.get("resume") and given.get("eval")):
         checkpoint = load_checkpoint(path)
-    fields = RunConfig.__dataclass_fields__.keys() - RUN_OPTIONS  # a resumed run's own options are its command line's
-    saved = {k: v for k, v in checkpoint["config"].items() if k in fields} if checkpoint else {}
+    # The checkpoint's hyperparameters, `AtariConfig`'s: a resumed run's own options (`RunConfig`'s) are its command line's.
+    saved = {k: v for k, v in checkpoint["config"].items() if k in AtariConfig.__dataclass_fields__} if checkpoint else {}
     env_id, family = resolve_env(given.get("env", saved.get("env", RunConfig.env)))
     config = RunConfig(**{**(saved if checkpoint else PRESETS[family]), **given})
     check_config(config, family)
