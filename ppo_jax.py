@@ -1858,8 +1858,9 @@ class Run:
     """A training run's directory and its lock, its writers and the thread that logs, its checkpoint and tracking.
 
     All it opens is entered on `opened`, a `contextlib.ExitStack`, which closes them in the reverse
-    order however the run ends: the logging thread done first (what it could not write raised,
-    once the rest is closed), then the writers, the tracking, the thread hook and last the lock.
+    order however the run ends, each whatever the others raise: the logging thread done first, then
+    the writers, the tracking, the thread hook and last the lock. What one of them could not write
+    (an `OSError`) is raised once all are closed.
     """
 
     def __init__(self, config: RunConfig, env_id: str, checkpoint: dict | None, signals: Signals):
