@@ -122,7 +122,7 @@ import typing
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, NamedTuple
+from typing import Any, Callable, Literal, NamedTuple
 
 import flax.linen as nn
 import flax.serialization
@@ -133,10 +133,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tensorboard.compat.proto.event_pb2 import Event
-from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
-from tensorboard.compat.proto.tensor_pb2 import TensorProto
-from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
-from tensorboard.plugins.text.plugin_data_pb2 import TextPluginData
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.plugins.text.summary_v2 import text_pb
 from tensorboard.summary.writer import event_file_writer
 
 
@@ -1290,9 +1288,6 @@ class RunConfig(AtariConfig):
     """The Weights & Biases team or user that `--track` sends the run to (default: your own)."""
 
 
-RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.name for field in dataclasses.fields(AtariConfig)}
-
-
 # Each kind of environment starts from its own settings; classic control's are the defaults above.
 # Atari's are baselines' (`ppo2`) Atari defaults, which are also `ppo_atari.py`'s: 8 games, a clip
 # range of 0.1 annealed, 10M steps, and otherwise the defaults above. CleanRL's `ppo_atari.py` has
@@ -1467,8 +1462,8 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
     checkpoint, path = None, given.get("resume") or given.get("eval")
     if path is not None and not (given.get("resume") and given.get("eval")):
         checkpoint = load_checkpoint(path)
-    fields = RunConfig.__dataclass_fields__.keys() - RUN_OPTIONS  # a resumed run's own options are its command line's
-    saved = {k: v for k, v in checkpoint["config"].items() if k in fields} if checkpoint else {}
+    # The checkpoint's hyperparameters, `AtariConfig`'s: a resumed run's own options (`RunConfig`'s) are its command line's.
+    saved = {k: v for k, v in checkpoint["config"].items() if k in AtariConfig.__dataclass_fields__} if checkpoint else {}
     env_id, family = resolve_env(given.get("env", saved.get("env", RunConfig.env)))
     config = RunConfig(**{**(saved if checkpoint else PRESETS[family]), **given})
     check_config(config, family)
@@ -1565,19 +1560,24 @@ def save_checkpoint(state: dict, path: Path) -> None:
     """Write `state` to `path` atomically; an `OSError` names `path`, and leaves whatever was there as it was."""
     temporary = path.with_name(f"{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
     try:
-        with open(temporary, "xb") as file:
-            file.write(flax.serialization.msgpack_serialize(state))
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException as error:
-        temporary.unlink(missing_ok=True)
-        raise naming(error, path) if isinstance(error, OSError) else error
+        with naming(path):
+            with open(temporary, "xb") as file:
+                file.write(flax.serialization.msgpack_serialize(state))
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)  # what a failure left behind; after the rename, there is none
 
 
-def naming(error: OSError, path: Path) -> OSError:
-    """`error` again, naming `path`: the file (or directory) that could not be written, for the run's one line."""
-    return OSError(error.errno, error.strerror, str(path))
+@contextlib.contextmanager
+def naming(path: Path) -> typing.Iterator[None]:
+    """Raise an `OSError` of the block again, naming `path`: the file (or directory) that could not be written,
+    for the run's one line."""
+    try:
+        yield
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(path)) from error
 
 
 def load_checkpoint(path: str) -> dict:
@@ -1659,17 +1659,13 @@ class EventWriter:
 
     def add(self, step: int, **value) -> None:
         """An event of one `Summary.Value(**value)`: `add(step, tag=..., simple_value=...)` is a scalar."""
-        try:
+        with naming(self.directory):
             self.writer.add_event(Event(summary=Summary(value=[Summary.Value(**value)]), step=int(step),
                                         wall_time=time.time()))
-        except OSError as error:
-            raise naming(error, self.directory) from error
 
     def flush(self) -> None:
-        try:
+        with naming(self.directory):
             self.writer.flush()  # raises what the thread could not write
-        except OSError as error:
-            raise naming(error, self.directory) from error
 
     def close(self) -> None:
         try:
@@ -1743,17 +1739,15 @@ def log_chunk(run: Run, metrics: dict, episodes: jax.Array, count: int, first_up
             records[name] = value
         record = io.BytesIO()
         np.save(record, records)
-        try:
-            with open(run.dir / AGENTS_FILE, "ab") as file:
-                file.write(record.getvalue())  # in one piece: a crash leaves whole records, at worst a torn last one
-        except OSError as error:
-            raise naming(error, run.dir / AGENTS_FILE) from error
+        with naming(run.dir / AGENTS_FILE), open(run.dir / AGENTS_FILE, "ab") as file:
+            file.write(record.getvalue())  # in one piece: a crash leaves whole records, at worst a torn last one
     counted = np.minimum(episodes, SCORE_WINDOW)[episodes > 0]
     if counted.size:
         low, high = counted.min(), counted.max()
         run.progress.score = (f"{np.nanmean(metrics['recent_return'][-1][episodes > 0]):.1f} (mean of last "
                               f"{low if low == high else f'{low}-{high}'} {run.progress.unit})")
-    run.progress.show(int(steps[-1]))
+    with run.signals.writing:
+        run.progress.show(int(steps[-1]))
 
 
 def read_agent_series(path: str | Path) -> dict[str, np.ndarray]:
@@ -1789,14 +1783,20 @@ def read_agent_series(path: str | Path) -> dict[str, np.ndarray]:
 # go of Python's lock while it works. To exit at once the thread calls `os._exit`, which raises
 # nothing: an exception from a handler (`KeyboardInterrupt`) lands wherever the main thread happens
 # to be, and inside a finalizer Python can only print it as "Exception ignored" and go on.
+#
+# The other threads go on until `os._exit`, and must say nothing once the thread has said the run
+# is aborted: the main thread, just done with the checkpoint the abort waited for, would otherwise
+# print "stopped at update K" after it, while the thread waits for Python's lock to exit. So one
+# lock, `writing`, is held for a checkpoint's write and for every line the run prints after
+# training begins, and the thread takes it to abort and never lets go.
 
 
 class Signals:
     """Ctrl-C (SIGINT) and SIGTERM, heard by a thread of their own while the `with` block runs.
 
     Once `training` is set, the first signal becomes `requested`: the run stops at its next safe
-    point. Any other ends the process at once, naming `last_checkpoint()`, after a checkpoint being
-    written (while `writing` is held) is whole.
+    point. Any other ends the process at once, naming `last_checkpoint()`, once `writing` is free: a
+    checkpoint being written is whole, and a line being printed ends before the abort's, the last.
     """
 
     def __init__(self):
@@ -1819,7 +1819,7 @@ class Signals:
                 print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
                       "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
                 continue
-            with self.writing:
+            with self.writing:  # never let go: nothing is written or printed after this line
                 last = self.last_checkpoint()
                 print(f"\n{'aborted by a second interrupt' if self.training else 'interrupted before training began'}"
                       f": no checkpoint written now; {f'the last one is {last}' if last else 'none was written'}",
@@ -1855,15 +1855,20 @@ class Signals:
 
 
 class Run:
-    """A training run's directory and its lock, its writers and the thread that logs, its checkpoint and tracking."""
+    """A training run's directory and its lock, its writers and the thread that logs, its checkpoint and tracking.
+
+    All it opens is entered on `opened`, a `contextlib.ExitStack`, which closes them in the reverse
+    order however the run ends, each whatever the others raise: the logging thread done first, then
+    the writers, the tracking, the thread hook and last the lock. What one of them could not write
+    (an `OSError`) is raised once all are closed.
+    """
 
     def __init__(self, config: RunConfig, env_id: str, checkpoint: dict | None, signals: Signals):
         name = env_id if env_id in GYMNAX_FAMILIES else gym.spec(env_id).name
         self.dir = Path(config.run_dir or (Path(config.resume).parent if checkpoint else
                                            Path("runs") / f"{name}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"))
         self.config, self.env_id, self.resumed, self.signals = config, env_id, checkpoint is not None, signals
-        self.checkpoint_path, self.tracking, self.logger, self.logging = self.dir / "checkpoint.msgpack", None, None, None
-        self.writer, self.writers = None, []
+        self.checkpoint_path, self.tracking, self.logging = self.dir / "checkpoint.msgpack", None, None
         if self.checkpoint_path.exists() and not (checkpoint and self.checkpoint_path.samefile(config.resume)):
             raise ConfigError(f"{self.dir} already holds a checkpoint{f' of another run than {config.resume}' if checkpoint else ''}; "
                               f"resume it with --resume {self.checkpoint_path} or choose another --run-dir")
@@ -1871,13 +1876,14 @@ class Run:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise ConfigError(f"cannot create the run directory {self.dir}: {error.strerror}") from None
-        self.lock = open(self.dir / "run.lock", "a+")
+        self.opened = contextlib.ExitStack()
+        self.lock = self.opened.enter_context(open(self.dir / "run.lock", "a+"))
         try:
             fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self.lock.seek(0)
             holder = self.lock.read().strip()
-            self.lock.close()
+            self.opened.close()
             raise ConfigError(f"{self.dir} is in use by another run (process {holder})") from None
         self.lock.truncate(0)
         self.lock.write(f"{os.getpid()}\n")
@@ -1893,21 +1899,23 @@ class Run:
         """The run's writer and, for several agents, the first `AGENT_WRITERS`' own; the logging thread."""
         if self.config.track:  # before the writers, so that wandb sees their events
             self.tracking = start_tracking(self.config, self.dir.name)
+            self.opened.callback(self.tracking.finish)
         # A writer's thread that cannot write dies of it, and its writer raises the error again at its next event,
         # where the run reports it in one line: Python's traceback of the thread's death is left out.
-        self.excepthook = threading.excepthook
-        threading.excepthook = lambda args: None if issubclass(args.exc_type, OSError) else self.excepthook(args)
-        self.writer, self.progress = EventWriter(self.dir), progress
+        self.opened.callback(setattr, threading, "excepthook", threading.excepthook)
+        threading.excepthook = lambda args, hook=threading.excepthook: None if issubclass(args.exc_type, OSError) else hook(args)
+        self.progress, self.writer, self.writers = progress, EventWriter(self.dir), []
         if self.config.num_seeds > 1:
             self.writers = [EventWriter(self.dir / f"agent-{i}") for i in range(min(self.config.num_seeds, AGENT_WRITERS))]
+        for writer in [self.writer, *self.writers]:
+            self.opened.callback(writer.close)
         if not self.resumed:  # the first event: the hyperparameters, as a table in TensorBoard's text tab
             table = "\n".join(["|parameter|value|", "|-|-|", f"|env_id|{self.env_id}|",
                                *(f"|{key}|{value}|" for key, value in dataclasses.asdict(self.config).items())])
-            self.writer.add(0, tag="hyperparameters/text_summary", tensor=TensorProto(
-                dtype="DT_STRING", string_val=[table.encode()], tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)])),
-                metadata=SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
-                    plugin_name="text", content=TextPluginData(version=0).SerializeToString())))
-        self.logger = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="logging")
+            text = text_pb("hyperparameters/text_summary", table).value[0]  # tensorboard's own text summary
+            self.writer.add(0, tag=text.tag, tensor=text.tensor, metadata=text.metadata)
+        self.logger = self.opened.enter_context(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="logging"))
+        self.opened.callback(self.logged)  # the first to run at the end: the logging thread writes with the writers
 
     def log(self, *chunk) -> None:
         """Hand a chunk to the logging thread (`log_chunk`) once it is done with the last; raise what that raised."""
@@ -1924,35 +1932,6 @@ class Run:
         self.logged()
         for writer in [self.writer, *self.writers]:
             writer.flush()
-
-    def close(self) -> None:
-        """Wait for the logging thread and close every writer, each once; raise the first error met."""
-        errors = []
-        try:
-            self.logged()  # first: the logging thread writes with the writers closed below
-        except OSError as error:
-            errors.append(error)
-        writers, self.writer, self.writers = [writer for writer in [self.writer, *self.writers] if writer], None, []
-        for writer in writers:
-            try:
-                writer.close()
-            except OSError as error:
-                errors.append(error)
-        if errors:
-            raise errors[0]
-
-    def end(self) -> None:
-        """Whatever the run's end: close quietly (an error is reported already, or less than one that was), then
-        let go of the logging thread, the tracking, the hook and the lock."""
-        with contextlib.suppress(OSError):
-            self.close()
-        if self.logger is not None:
-            self.logger.shutdown()
-        if self.tracking is not None:
-            self.tracking, tracking = None, self.tracking
-            tracking.finish()
-        threading.excepthook = getattr(self, "excepthook", threading.excepthook)
-        self.lock.close()
 
     def last_checkpoint(self) -> Path | None:
         """The newest checkpoint of this run that exists: its own, else the one it resumed from, else none."""
@@ -2000,87 +1979,85 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
     choose_device(config.device)
     run = Run(config, env_id, checkpoint, signals)
     try:
-        training = make_train(config, env_id, convolution_layer())
-        keys, atari = agent_keys(config), isinstance(training.env, AtariEnv)
-        if checkpoint is not None and atari:  # its games were not saved (see `storable`): new ones, from the update's seeds
-            keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, checkpoint["update"])
-        runners = jax.jit(jax.vmap(training.init))(keys)
-        if checkpoint is not None:
-            restored = restore_tree(storable(runners), checkpoint["runners"], config.resume)
-            games = runners if atari else restored
-            runners = restored._replace(key=jax.random.wrap_key_data(restored.key), env_state=games.env_state,
-                                        obs=games.obs, episode_returns=games.episode_returns,
-                                        episode_lengths=games.episode_lengths)
-            print(f"resumed at step {checkpoint['global_step']:,} (update {checkpoint['update']}) from {config.resume}",
-                  file=sys.stderr)
-        # Place the agents over the devices; everything computed from them stays where they are.
-        mesh = seed_mesh(config.num_seeds)
-        runners, update = jax.device_put(runners, split_over_seeds(mesh)), checkpoint["update"] if checkpoint else 0
-        print(describe_devices(mesh, config.num_seeds), file=sys.stderr)
-        started, length = time.perf_counter(), min(config.checkpoint_every, config.num_updates, LONGEST_CHUNK)
-        train_chunk = compile_train_chunk(training, length, runners, mesh)
-        print(f"{env_id}: {config.num_seeds} agent(s), compiled in {time.perf_counter() - started:.1f} s; "
-              f"logs and checkpoints in {run.dir}", file=sys.stderr)
-        run.open_writers(Progress(config.num_updates * config.batch_size, update * config.batch_size,
-                                  config.num_seeds, "games" if atari else "episodes"))
+        with run.opened:  # whatever the end, what the run opened is closed here (see `Run`)
+            training = make_train(config, env_id, convolution_layer())
+            keys, atari = agent_keys(config), isinstance(training.env, AtariEnv)
+            if checkpoint is not None and atari:  # its games were not saved (see `storable`): new ones, from the update's seeds
+                keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, checkpoint["update"])
+            runners = jax.jit(jax.vmap(training.init))(keys)
+            if checkpoint is not None:
+                restored = restore_tree(storable(runners), checkpoint["runners"], config.resume)
+                games = runners if atari else restored
+                runners = restored._replace(key=jax.random.wrap_key_data(restored.key), env_state=games.env_state,
+                                            obs=games.obs, episode_returns=games.episode_returns,
+                                            episode_lengths=games.episode_lengths)
+                print(f"resumed at step {checkpoint['global_step']:,} (update {checkpoint['update']}) from {config.resume}",
+                      file=sys.stderr)
+            # Place the agents over the devices; everything computed from them stays where they are.
+            mesh = seed_mesh(config.num_seeds)
+            runners, update = jax.device_put(runners, split_over_seeds(mesh)), checkpoint["update"] if checkpoint else 0
+            print(describe_devices(mesh, config.num_seeds), file=sys.stderr)
+            started, length = time.perf_counter(), min(config.checkpoint_every, config.num_updates, LONGEST_CHUNK)
+            train_chunk = compile_train_chunk(training, length, runners, mesh)
+            print(f"{env_id}: {config.num_seeds} agent(s), compiled in {time.perf_counter() - started:.1f} s; "
+                  f"logs and checkpoints in {run.dir}", file=sys.stderr)
+            run.open_writers(Progress(config.num_updates * config.batch_size, update * config.batch_size,
+                                      config.num_seeds, "games" if atari else "episodes"))
 
-        def dispatch(count: int) -> tuple:
-            """Start the next chunk, of at most `count` updates, and return at once: JAX computes it meanwhile."""
-            count = min(count, config.checkpoint_every - update % config.checkpoint_every, config.num_updates - update)
-            return count, time.perf_counter(), *train_chunk(runners, jnp.int32(count))
+            def dispatch(count: int) -> tuple:
+                """Start the next chunk, of at most `count` updates, and return at once: JAX computes it meanwhile."""
+                count = min(count, config.checkpoint_every - update % config.checkpoint_every, config.num_updates - update)
+                return count, time.perf_counter(), *train_chunk(runners, jnp.int32(count))
 
-        def save() -> None:
-            run.flush()  # so that a checkpoint never holds more of the run than its logs
-            run.write_checkpoint(checkpoint_state(config, env_id, update, update * config.batch_size,
-                                                  runners=storable(runners)))
+            def save() -> None:
+                run.flush()  # so that a checkpoint never holds more of the run than its logs
+                run.write_checkpoint(checkpoint_state(config, env_id, update, update * config.batch_size,
+                                                      runners=storable(runners)))
 
-        signals.training = True
-        chunk = dispatch(1)  # the first chunk: one update, to time it
-        while chunk is not None:
-            count, dispatched, new_runners, metrics = chunk
-            if jnp.any(metrics["diverged"]):  # all that crosses to the host now, once the chunk is done: one flag
-                at, agent = np.argwhere(jax.device_get(metrics["diverged"]))[0]
-                largest_step = float(metrics["largest_step"][at, agent])
-                raise DivergedError(f"diverged at update {update + at + 1} (agent {agent}): " + (
-                    f"a step would have moved the weights by {largest_step:.3g} in root mean square, more than "
-                    f"{MAX_STEP_RMS:g}" if largest_step > MAX_STEP_RMS else
-                    "the loss or the parameters became NaN or infinite") + "; no step was taken from there on")
-            seconds = time.perf_counter() - dispatched
-            runners, first_update, update = new_runners, update, update + count
-            # The next chunk, as many updates as fit in `CHUNK_SECONDS` at this one's speed.
-            chunk = None if update >= config.num_updates or signals.requested else dispatch(
-                max(1, min(length, int(CHUNK_SECONDS * count / seconds))))
-            run.log(metrics, runners.episodes, count, first_update, count * config.batch_size * config.num_seeds / seconds)
-            if update % config.checkpoint_every == 0:
-                save()
-                if config.capture_video:  # an episode of the first agent's policy now, as CleanRL records its first env's
+            signals.training = True
+            chunk = dispatch(1)  # the first chunk: one update, to time it
+            while chunk is not None:
+                count, dispatched, new_runners, metrics = chunk
+                if jnp.any(metrics["diverged"]):  # all that crosses to the host now, once the chunk is done: one flag
+                    at, agent = np.argwhere(jax.device_get(metrics["diverged"]))[0]
+                    largest_step = float(metrics["largest_step"][at, agent])
+                    raise DivergedError(f"diverged at update {update + at + 1} (agent {agent}): " + (
+                        f"a step would have moved the weights by {largest_step:.3g} in root mean square, more than "
+                        f"{MAX_STEP_RMS:g}" if largest_step > MAX_STEP_RMS else
+                        "the loss or the parameters became NaN or infinite") + "; no step was taken from there on")
+                seconds = time.perf_counter() - dispatched
+                runners, first_update, update = new_runners, update, update + count
+                # The next chunk, as many updates as fit in `CHUNK_SECONDS` at this one's speed.
+                chunk = None if update >= config.num_updates or signals.requested else dispatch(
+                    max(1, min(length, int(CHUNK_SECONDS * count / seconds))))
+                run.log(metrics, runners.episodes, count, first_update, count * config.batch_size * config.num_seeds / seconds)
+                if update % config.checkpoint_every == 0 or chunk is None:
+                    save()
+                if update % config.checkpoint_every == 0 and config.capture_video:
+                    # An episode of the first agent's policy now, as CleanRL records its first env's.
                     agent = jax.tree.map(lambda value: value[0], (runners.agent.params, runners.normalizer))
                     videos = record_videos(config, env_id, make_env(env_id, 1, config), training.network, agent,
                                            jax.random.fold_in(keys[0], update), run.dir / "videos", f"train-update{update}")
                     if run.tracking is not None:
                         run.tracking.log({"videos": [import_wandb().Video(str(path), format="mp4") for path in videos]})
-        if update % config.checkpoint_every:
-            save()
-        run.close()
+    except (DivergedError, OSError) as error:  # the logging thread is done, so that this is the last line
+        last = run.last_checkpoint()
+        with signals.writing:
+            if isinstance(error, DivergedError):
+                print(f"\n{error}; " + (f"the last good checkpoint is {last}" if last else "no checkpoint was written"),
+                      file=sys.stderr)
+            else:  # a file of the run could not be written, on a full disk, say; what was written before is whole
+                reason = error.strerror[0].lower() + error.strerror[1:] if error.strerror else str(error)
+                print(f"\n{PROG}: error: {reason} while writing {error.filename}; "
+                      + (f"the last checkpoint is {last}" if last else "none was written"), file=sys.stderr)
+        return 1
+    with signals.writing:  # a second Ctrl-C's line, if it comes now, is the last (see `Signals`)
         run.progress.show(update * config.batch_size, final=True)
         if signals.requested:
             print(f"stopped at update {update}; resume with --resume {run.checkpoint_path}", file=sys.stderr)
             return 128 + signals.requested
         print(f"done: {update * config.batch_size:,} steps; checkpoint in {run.checkpoint_path}", file=sys.stderr)
         return 0
-    except (DivergedError, OSError) as error:
-        run.end()  # the logging thread done first, so that this is the last line
-        last = run.last_checkpoint()
-        if isinstance(error, DivergedError):
-            print(f"\n{error}; " + (f"the last good checkpoint is {last}" if last else "no checkpoint was written"),
-                  file=sys.stderr)
-        else:  # a file of the run could not be written, on a full disk, say; what was written before is whole
-            reason = error.strerror[0].lower() + error.strerror[1:] if error.strerror else str(error)
-            print(f"\n{PROG}: error: {reason} while writing {error.filename}; "
-                  + (f"the last checkpoint is {last}" if last else "none was written"), file=sys.stderr)
-        return 1
-    finally:
-        run.end()
 
 
 # ### Experiment tracking
@@ -2209,7 +2186,6 @@ def record_videos(config: AtariConfig, env_id: str, env: BatchedEnv, network: nn
     """
     step = jax.jit(functools.partial(evaluation_step, network, env))
     carry, atari = jax.jit(functools.partial(evaluation_start, env))(key), isinstance(env, AtariEnv)
-    video_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         if atari:
             import cv2
@@ -2225,21 +2201,16 @@ def record_videos(config: AtariConfig, env_id: str, env: BatchedEnv, network: nn
             f"{name}-{env.game}-game{index:02d}.mp4" if atari else f"{name}-{env_id}-episode{index:02d}.mp4"), fps)))
             for index in range(env.num_envs)]
 
-        def draw(state: Any, indices: Iterable[int]) -> None:
-            state = jax.device_get(state)
-            for index in indices:
-                videos[index].write(render_gymnax(env_id, env, jax.tree.map(lambda value: value[index], state)))
-
-        if not atari:
-            draw(carry[1], range(env.num_envs))
         while (playing := np.asarray(carry[3])).any():
+            if not atari:  # each gymnax state a step starts from: the first, and every step's but the last
+                state = jax.device_get(carry[1])
+                for index in np.flatnonzero(playing):
+                    videos[index].write(render_gymnax(env_id, env, jax.tree.map(lambda value: value[index], state)))
             before, (carry, actions) = carry, step(agent[0], carry, agent[1])
-            if not atari:
-                draw(carry[1], np.flatnonzero(np.asarray(carry[3])))
-                continue
-            screens = twin.step(np.asarray(env.actions_played(before[1], actions)))[0][:, 0]
-            for index in np.flatnonzero(playing):
-                videos[index].write(cv2.resize(screens[index], None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST))
+            if atari:  # the twin's screen after the step, the game's last included
+                screens = twin.step(np.asarray(env.actions_played(before[1], actions)))[0][:, 0]
+                for index in np.flatnonzero(playing):
+                    videos[index].write(cv2.resize(screens[index], None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST))
     return [video.path for video in videos]
 
 
