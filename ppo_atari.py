@@ -838,8 +838,9 @@ class Trainer:
     # checkpoints) is Part 3's `after_update`; a loop of a student's own can be as short as
     # `Trainer(config, envs, device).train(print)`. A real run also times the two calls of the loop
     # and runs on the machine's fastest settings, in Part 2's `FastSamplingTrainer` (which wraps
-    # `collect_rollout` and `sample_actions`) and Part 3's `RunTrainer` (`collect_rollout` and
-    # `update_policy`), by name: a fork that renames them renames them there too.
+    # `collect_rollout` and `sample_actions`, and overrides `build_model`, `host_array` and
+    # `frame_array`) and Part 3's `RunTrainer` (`collect_rollout` and `update_policy`), by name: a
+    # fork that renames them renames them there too.
 
     def train(self, after_update: typing.Callable[[dict[str, float]], None] = lambda stats: None) -> None:
         """Update until `total_timesteps` agent steps are played, handing each update's statistics to `after_update`."""
