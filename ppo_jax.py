@@ -1815,9 +1815,10 @@ class Signals:
     def listen(self) -> None:
         while (signum := os.read(self.pipe[0], 1)[0]) != 0:  # a zero byte: `__exit__` asks the thread to end
             if self.training and self.requested is None:
-                self.requested = signum
-                print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
-                      "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+                with self.writing:  # between two lines of the run, and before the stop it announces
+                    print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
+                          "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+                    self.requested = signum
                 continue
             with self.writing:  # never let go: nothing is written or printed after this line
                 last = self.last_checkpoint()
