@@ -19,9 +19,12 @@ SCRIPT = str(ROOT / "ppo_jax.py")
 
 @pytest.fixture(scope="module")
 def environment(tmp_path_factory):
-    """The environment of the script's runs: JAX's compilation cache shared by them, so that a run
-    whose program an earlier one compiled (the same configuration again, say) loads it instead."""
-    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-cache"))}
+    """The environment of the script's runs: one JAX compilation cache for the whole session, which
+    keeps every program however quickly it compiled, so that a run whose programs an earlier one
+    compiled (the same configuration in another test, say) loads them instead. Most runs of the
+    tests are this small: their dozen programs of under a second each took a second of every run."""
+    cache = tmp_path_factory.getbasetemp() / "jax-cache"
+    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
 @pytest.fixture(scope="module")
