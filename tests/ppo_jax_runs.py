@@ -19,10 +19,10 @@ SCRIPT = str(ROOT / "ppo_jax.py")
 
 @pytest.fixture(scope="module")
 def environment(tmp_path_factory):
-    """The environment of the script's runs: one JAX compilation cache for the whole session, which
-    keeps every program however quickly it compiled, so that a run whose programs an earlier one
-    compiled (the same configuration in another test, say) loads them instead. Most runs of the
-    tests are this small: their dozen programs of under a second each took a second of every run."""
+    """The environment of the script's runs: one JAX compilation cache for all the tests of this test
+    process (each of xdist's has its own), so that a run whose programs an earlier one compiled (the
+    same configuration in another test, say) loads them instead. It keeps every program: JAX's default
+    keeps only those that took over a second to compile, and a small run compiles a dozen of 0.1 s each."""
     cache = tmp_path_factory.getbasetemp() / "jax-cache"
     return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
