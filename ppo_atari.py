@@ -78,6 +78,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -1497,6 +1498,17 @@ def last_checkpoint(*paths: Path | str | None) -> Path | None:
     return next((Path(path) for path in paths if path is not None and Path(path).is_file()), None)
 
 
+def writable_dir(path: Path) -> Path:
+    """`path`, a directory made if need be, in which this process can make a file; a `ConfigError`
+    naming the reason if not (no permission, a file on its path, a read-only file system)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as error:
+        raise ConfigError(f"cannot write in {path}: {error.strerror}") from None
+    return path
+
+
 @contextlib.contextmanager
 def run_dir_lock(run_dir: Path):
     """Hold the run directory for this process: a second run in it is a `ConfigError` naming the first.
@@ -1504,8 +1516,7 @@ def run_dir_lock(run_dir: Path):
     The lock is `flock` on a file inside the directory; the kernel drops it when the process ends,
     however it ends, so a crashed run never leaves a stale lock behind.
     """
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "run.lock", "a+") as file:
+    with open(writable_dir(run_dir) / "run.lock", "a+") as file:
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -1934,6 +1945,7 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
     torch.manual_seed(config.seed)
     video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
     if config.capture_video:  # each records its one game, in real time: 60 frames a second over the frame skip
+        writable_dir(video_dir)
         games = [RecordedGame(game, video_dir, f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4",
                               60 / config.frame_skip) for index, game in enumerate(games)]
     scores: dict[int, float] = {}

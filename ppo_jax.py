@@ -115,6 +115,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -1855,6 +1856,17 @@ class Signals:
 # process; so is a run resumed from one checkpoint into a directory that holds another.
 
 
+def writable_dir(path: Path) -> Path:
+    """`path`, a directory made if need be, in which this process can make a file; a `ConfigError`
+    naming the reason if not (no permission, a file on its path, a read-only file system)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as error:
+        raise ConfigError(f"cannot write in {path}: {error.strerror}") from None
+    return path
+
+
 class Run:
     """A training run's directory and its lock, its writers and the thread that logs, its checkpoint and tracking.
 
@@ -1873,12 +1885,8 @@ class Run:
         if self.checkpoint_path.exists() and not (checkpoint and self.checkpoint_path.samefile(config.resume)):
             raise ConfigError(f"{self.dir} already holds a checkpoint{f' of another run than {config.resume}' if checkpoint else ''}; "
                               f"resume it with --resume {self.checkpoint_path} or choose another --run-dir")
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise ConfigError(f"cannot create the run directory {self.dir}: {error.strerror}") from None
         self.opened = contextlib.ExitStack()
-        self.lock = self.opened.enter_context(open(self.dir / "run.lock", "a+"))
+        self.lock = self.opened.enter_context(open(writable_dir(self.dir) / "run.lock", "a+"))
         try:
             fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -2165,7 +2173,7 @@ def evaluate_compiled(config: RunConfig, env_id: str, checkpoint: dict) -> np.nd
     videos = []
     if config.capture_video:
         videos = record_videos(config, env_id, env, training.network, jax.tree.map(lambda value: value[0], agents),
-                               keys[0], Path(config.run_dir or Path(config.eval).parent) / "videos", "eval")
+                               keys[0], writable_dir(Path(config.run_dir or Path(config.eval).parent) / "videos"), "eval")
         print(f"videos in {videos[0].parent}", file=sys.stderr)
     placed = jax.device_put((*agents, keys), split_over_seeds(seed_mesh(config.num_seeds)))
     returns = np.asarray(jax.jit(jax.vmap(make_evaluate(training.network, env)))(*placed))

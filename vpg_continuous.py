@@ -95,6 +95,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -1559,6 +1560,17 @@ def last_checkpoint(*paths: Path | str | None) -> Path | None:
     return next((Path(path) for path in paths if path is not None and Path(path).is_file()), None)
 
 
+def writable_dir(path: Path) -> Path:
+    """`path`, a directory made if need be, in which this process can make a file; a `ConfigError`
+    naming the reason if not (no permission, a file on its path, a read-only file system)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as error:
+        raise ConfigError(f"cannot write in {path}: {error.strerror}") from None
+    return path
+
+
 @contextlib.contextmanager
 def run_dir_lock(run_dir: Path):
     """Hold the run directory for this process: a second run in it is a `ConfigError` naming the first.
@@ -1566,8 +1578,7 @@ def run_dir_lock(run_dir: Path):
     The lock is `flock` on a file inside the directory; the kernel drops it when the process ends,
     however it ends, so a crashed run never leaves a stale lock behind.
     """
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "run.lock", "a+") as file:
+    with open(writable_dir(run_dir) / "run.lock", "a+") as file:
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -2000,6 +2011,8 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
     torch.manual_seed(config.seed)
     seeds = env_seeds(config.seed + 1_000_003, config.eval_episodes)  # episodes unlike the training ones
     video_dir = Path(config.run_dir or Path(config.eval).parent) / "videos"
+    if config.capture_video:
+        writable_dir(video_dir)
     tasks = [RecordedTask(env_id, seed, config.max_episode_steps, None, video_dir,  # each records its one episode
                           f"eval-{gym.spec(env_id).name}-episode{index:02d}.mp4") if config.capture_video
              else Task(env_id, seed, config.max_episode_steps) for index, seed in enumerate(seeds)]

@@ -91,6 +91,13 @@ def test_a_run_dir_that_is_a_file_exits_2(capsys, tmp_path):
                                                                                        tmp_path / "taken")
 
 
+def test_a_run_dir_that_cannot_be_written_in_exits_2(capsys, tmp_path):
+    # A file on the path: the one failure to make a directory that a test run as root still meets.
+    (tmp_path / "file").write_text("")
+    assert f"cannot write in {tmp_path / 'file' / 'run'}: Not a directory" in main_error(
+        capsys, "--total-timesteps", 512, "--run-dir", tmp_path / "file" / "run")
+
+
 # ## A small run: 4 updates of 4 CartPole envs x 32 steps; 600 steps asked for are 4 whole batches and a part
 
 SMALL = ["--num-steps", 32, "--total-timesteps", 600, "--checkpoint-every", 2]
@@ -102,6 +109,12 @@ def small(run, tmp_path_factory):
     result = run(*SMALL, "--run-dir", run_dir)
     assert result.returncode == 0, result.stderr
     return run_dir / "checkpoint.msgpack", result
+
+
+def test_eval_videos_where_they_cannot_be_written_exit_2(small, capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    assert f"cannot write in {tmp_path / 'file' / 'eval' / 'videos'}: Not a directory" in main_error(
+        capsys, "--eval", small[0], "--eval-episodes", 1, "--capture-video", "--run-dir", tmp_path / "file" / "eval")
 
 
 def test_a_run_says_where_it_ends_when_the_steps_asked_for_are_not_whole_batches(small):

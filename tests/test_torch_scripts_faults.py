@@ -233,6 +233,17 @@ def test_a_run_dir_that_is_a_file_is_refused(script, tmp_path, capsys):
     script.one_line_error(*script.run_main(capsys, "--run-dir", tmp_path / "file")[::2], "is a file, not a directory")
 
 
+def test_a_run_dir_that_cannot_be_written_in_is_refused(script, tmp_path, capsys):
+    # A file on the path: the one failure to make a directory that a test run as root still meets.
+    (tmp_path / "file").write_text("")
+    script.one_line_error(*script.run_main(capsys, *script.tiny, "--run-dir", tmp_path / "file" / "run")[::2],
+                          f"cannot write in {tmp_path / 'file' / 'run'}: Not a directory")
+    assert script.run_main(capsys, *script.tiny, "--total-timesteps", 128, "--run-dir", tmp_path / "run")[0] == 0
+    script.one_line_error(*script.run_main(capsys, "--eval", tmp_path / "run" / "checkpoint.pt", "--eval-episodes", 1,
+                                           "--capture-video", "--run-dir", tmp_path / "file" / "eval")[::2],
+                          f"cannot write in {tmp_path / 'file' / 'eval' / 'videos'}: Not a directory")
+
+
 # ## A full disk
 
 
