@@ -1384,6 +1384,9 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None]:
     if config.resume is not None and base["num_envs"] * base["num_steps"] != config.batch_size:
         raise ConfigError(f"a resumed run keeps its batch of {base['num_envs'] * base['num_steps']} "
                           f"transitions (--num-envs x --num-steps)")
+    if config.resume is not None and checkpoint["update"] >= config.total_timesteps // (config.batch_size * checkpoint["ranks"]):
+        raise ConfigError(f"checkpoint {config.resume} has trained {checkpoint['global_step']:,} steps, all that "
+                          f"--total-timesteps {config.total_timesteps:,} allows; to train on, resume with a larger one")
     return config, checkpoint
 
 

@@ -125,6 +125,13 @@ def test_a_run_says_where_it_ends_when_the_steps_asked_for_are_not_whole_batches
     assert read_checkpoint(path)["global_step"] == 512
 
 
+def test_resuming_a_run_that_has_trained_all_its_steps_exits_2(small, capsys, tmp_path):
+    line = main_error(capsys, "--resume", small[0], "--run-dir", tmp_path / "run")
+    assert line.endswith(f"checkpoint {small[0]} has trained 512 steps, all that --total-timesteps 600 allows; "
+                         "to train on, resume with a larger one"), line
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("field", ["env_id", "update", "global_step", "config", "config.num_envs",
                                    "config.learning_rate", "runners", "runners.agent", "runners.agent.params"])
 @pytest.mark.parametrize("use", ["--eval", "--resume"])

@@ -286,6 +286,12 @@ def test_a_second_run_in_a_run_dir_in_use_is_refused(script, tmp_path, capsys):
     assert script.run_main(capsys, *script.tiny, "--total-timesteps", 128, "--run-dir", tmp_path)[0] == 0
 
 
+def test_resuming_a_run_that_has_trained_all_its_steps_is_refused(script, tmp_path, capsys):
+    assert script.run_main(capsys, *script.tiny, "--total-timesteps", 128, "--run-dir", tmp_path)[0] == 0
+    script.one_line_error(*script.run_main(capsys, "--resume", tmp_path / "checkpoint.pt")[::2],
+                          "steps, all that --total-timesteps 128 allows; to train on, resume with a larger one")
+
+
 def test_resuming_into_another_runs_directory_is_refused(script, tmp_path, capsys):
     for name in ["a", "b"]:
         assert script.run_main(capsys, *script.tiny, "--total-timesteps", 128, "--run-dir", tmp_path / name)[0] == 0
