@@ -1384,9 +1384,6 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None]:
     if config.resume is not None and base["num_envs"] * base["num_steps"] != config.batch_size:
         raise ConfigError(f"a resumed run keeps its batch of {base['num_envs'] * base['num_steps']} "
                           f"transitions (--num-envs x --num-steps)")
-    if config.resume is not None and checkpoint["update"] >= config.total_timesteps // (config.batch_size * checkpoint["ranks"]):
-        raise ConfigError(f"checkpoint {config.resume} has trained {checkpoint['global_step']:,} steps, all that "
-                          f"--total-timesteps {config.total_timesteps:,} allows; to train on, resume with a larger one")
     return config, checkpoint
 
 
@@ -1754,6 +1751,9 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
     if checkpoint is not None and checkpoint["ranks"] != ranks.size:
         raise ConfigError(f"checkpoint {config.resume} was written by a run of {checkpoint['ranks']} rank(s); "
                           f"resume it with as many, not {ranks.size}")
+    if checkpoint is not None and checkpoint["update"] >= config.total_timesteps // (config.batch_size * ranks.size):
+        raise ConfigError(f"checkpoint {config.resume} has trained {checkpoint['global_step']:,} steps, all that "
+                          f"--total-timesteps {config.total_timesteps:,} allows; to train on, resume with a larger one")
     run_dir = Path(config.run_dir or (Path(config.resume).parent if checkpoint else default_run_dir(config, env_id)))
     checkpoint_path = run_dir / "checkpoint.pt"
     signals = Signals(announce=ranks.is_main, same_within=1.0 if ranks.size > 1 else 0.0)

@@ -1421,9 +1421,6 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None]:
     if config.resume is not None and base["num_envs"] * base["num_steps"] != config.batch_size:
         raise ConfigError(f"a resumed run keeps its batch of {base['num_envs'] * base['num_steps']} "
                           f"transitions (--num-envs x --num-steps)")
-    if config.resume is not None and checkpoint["update"] >= config.total_timesteps // (config.batch_size * checkpoint["ranks"]):
-        raise ConfigError(f"checkpoint {config.resume} has trained {checkpoint['global_step']:,} steps, all that "
-                          f"--total-timesteps {config.total_timesteps:,} allows; to train on, resume with a larger one")
     return config, checkpoint
 
 
@@ -1820,6 +1817,9 @@ def train(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict | 
     if config.total_timesteps < config.batch_size * ranks.size:
         raise ConfigError(f"--total-timesteps {config.total_timesteps} is less than one batch ({config.batch_size * ranks.size}"
                           f" = {ranks.size} rank(s) x {config.num_envs} envs x {config.num_steps} steps)")
+    if checkpoint is not None and checkpoint["update"] >= config.total_timesteps // (config.batch_size * ranks.size):
+        raise ConfigError(f"checkpoint {config.resume} has trained {checkpoint['global_step']:,} steps, all that "
+                          f"--total-timesteps {config.total_timesteps:,} allows; to train on, resume with a larger one")
     run_dir = Path(config.run_dir or (Path(config.resume).parent if checkpoint else default_run_dir(config, env_id)))
     checkpoint_path = run_dir / "checkpoint.pt"
     signals = Signals(announce=ranks.is_main, same_within=1.0 if ranks.size > 1 else 0.0)

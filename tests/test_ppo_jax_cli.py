@@ -139,7 +139,8 @@ def test_a_checkpoint_of_the_former_convolutions_is_refused(trained, tmp_path, c
     checkpoint["env_id"] = checkpoint["config"]["env"] = "Breakout-MinAtar"
     old = tmp_path / "old.msgpack"
     old.write_bytes(flax.serialization.msgpack_serialize(checkpoint))
-    for flags in [["--eval", str(old)], ["--resume", str(old), "--run-dir", str(tmp_path / "resumed")]]:
+    for flags in [["--eval", str(old)],
+                  ["--resume", str(old), "--total-timesteps", "8192", "--run-dir", str(tmp_path / "resumed")]]:
         assert ppo_jax.main(flags) == 2
         error = capsys.readouterr().err
         assert error.count("\n") == 1 and f"checkpoint {old} holds a different network" in error
