@@ -1661,8 +1661,12 @@ class Signals:
 
     `requested` is the number of training's first signal, the request to stop. A second signal
     within `same_within` seconds of it is the same request: under torchrun a terminal's Ctrl-C
-    reaches each rank twice, from the terminal and passed on by torchrun.
+    reaches each rank twice, from the terminal and passed on by torchrun. `closed` is set when a run
+    that was closing lets go of the signals: the script's own handler (at the end of the file) then
+    drops those that come after, as the process's last objects are freed.
     """
+
+    closed = False
 
     def __init__(self, announce: bool = True, same_within: float = 0.0):
         self.requested: int | None = None
@@ -1708,6 +1712,7 @@ class Signals:
     def __exit__(self, *exc_info) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        Signals.closed = self.closing
 
 
 class RunWorkers(Workers):
@@ -2322,13 +2327,15 @@ class DataParallelRunTrainer(DataParallelTrainer, RunTrainer):
 
 if __name__ == "__main__":
     # Ctrl-C is Python's KeyboardInterrupt until the run is over (the run's `Signals` decide in
-    # between), then nothing: a late Ctrl-C could only turn the exit into a traceback. After the run
-    # a Python function drops it, then `SIG_IGN`, which the interpreter's shutdown keeps (at once,
-    # a signal on its way would be reported as a race).
+    # between), then nothing: a late Ctrl-C could only turn the exit into a traceback. The run is
+    # over once its `Signals` let go while closing, or once `main` returns. Then a Python function
+    # drops it (raised inside one of multiprocessing's finalizers, which run as the run's objects are
+    # freed, it would print "Exception ignored" and a traceback), then `SIG_IGN`, which the
+    # interpreter's shutdown keeps (at once, a signal on its way would be reported as a race).
     run_over = False
 
     def interrupt_until_the_run_is_over(signum: int, frame: object) -> None:
-        if not run_over:
+        if not (run_over or Signals.closed):
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, interrupt_until_the_run_is_over)

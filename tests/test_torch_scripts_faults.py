@@ -135,6 +135,23 @@ def test_ctrl_c_pressed_again_and_again_leaves_no_traceback_and_no_worker(script
     assert not [pid for pid in workers if alive(pid)]
 
 
+def test_ctrl_c_held_down_while_the_run_closes_changes_nothing(script, tmp_path):
+    # Ctrl-C held down: after the stop it asked for, a signal every 0.2 ms until the process is gone,
+    # through the closing of the workers, the freeing of the run's objects and the exit.
+    process = script.start(*script.tiny, "--total-timesteps", 10**7, "--run-dir", tmp_path)
+    try:
+        wait_for(process, "training on")
+        process.send_signal(signal.SIGINT)
+        wait_for(process, "stopped at update")
+        while process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            time.sleep(0.0002)
+        rest = process.stderr.read()
+    finally:
+        process.kill()
+    assert process.returncode == 130 and not rest.strip(), rest
+
+
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_while_the_workers_start(script, tmp_path, presses):
     # Spawned workers take seconds to import torch: long enough to press Ctrl-C while they start.

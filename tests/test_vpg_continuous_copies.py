@@ -139,6 +139,10 @@ def test_the_pytorch_scripts_abort_by_raising_in_the_main_thread(module):
         signals.closing = True
         os.kill(os.getpid(), signal.SIGINT)  # dropped by the same handler: no race with a change of handlers
     assert signal.getsignal(signal.SIGINT) is before
+    assert module.Signals.closed  # so the script's own handler drops what comes after
+    with module.Signals(announce=False):
+        pass
+    assert not module.Signals.closed  # a run that did not close, for the next run in this process
 
 
 # Every definition that ppo_atari.py and vpg_continuous.py hold as the same text, listed once: a
