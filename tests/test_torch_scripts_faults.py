@@ -141,6 +141,7 @@ def test_ctrl_c_held_down_while_the_run_closes_changes_nothing(script, tmp_path)
     process = script.start(*script.tiny, "--total-timesteps", 10**7, "--run-dir", tmp_path)
     try:
         wait_for(process, "training on")
+        time.sleep(2)  # training has begun: a signal now asks for a stop
         process.send_signal(signal.SIGINT)
         wait_for(process, "stopped at update")
         while process.poll() is None:
