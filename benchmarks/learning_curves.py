@@ -280,8 +280,8 @@ def parse_steps(text: str) -> int:
         value = float(number) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of steps: {text!r}") from None
-    if not value.is_integer():
-        raise argparse.ArgumentTypeError(f"not a whole number of steps: {text!r}")
+    if not value.is_integer() or value < 1:
+        raise argparse.ArgumentTypeError(f"not a whole, positive number of steps: {text!r}")
     return int(value)
 
 
@@ -1308,8 +1308,6 @@ def adjusted(task: Task, args: argparse.Namespace, extra: list[str]) -> Task:
     budget = args.budget or min(task.budget, schedule)
     seeds = tuple(args.seeds) if args.seeds else task.seeds
     task = replace(task, schedule=schedule, budget=budget, seeds=seeds, flags=task.flags + tuple(extra))
-    if schedule <= 0 or budget <= 0:
-        raise UsageError(f"the schedule and the budget must be positive, not {schedule:,} and {budget:,}")
     if budget > schedule:
         raise UsageError(f"--budget {budget:,} is past the schedule of {schedule:,} steps; "
                          "raise --schedule (the annealing then stretches over it) or lower the budget")

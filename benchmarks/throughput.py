@@ -196,8 +196,16 @@ def main() -> None:
     parser.add_argument("--no-cuda-graph", action="store_true", help="choose actions on CUDA without the CUDA graph")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
-
-    env_id = ppo_atari.resolve_env_id(args.env)
+    for name, least in [("num_envs", 1), ("num_workers", 0), ("steps", 1), ("repeats", 1), ("iterations", 1),
+                        ("warmup", 0), ("rounds", 1)]:
+        if (value := min(getattr(args, name) if name == "num_envs" else [getattr(args, name)])) < least:
+            parser.error(f"--{name.replace('_', '-')} must be at least {least}, not {value}")
+    if args.baseline is not None and not args.baseline.is_file():
+        parser.error(f"--baseline {args.baseline} is not a file")
+    try:
+        env_id = ppo_atari.resolve_env_id(args.env)
+    except ppo_atari.ConfigError as error:
+        parser.error(str(error))
     results = {"cpu_count": cpu_count(), "torch": torch.__version__, "env_id": env_id, "env": [], "train": []}
     for num_envs in args.num_envs:
         num_workers = args.num_workers or min(num_envs, cpu_count())

@@ -1,9 +1,12 @@
-"""The benchmark scripts still run. They measure speed; these tests only check they produce numbers."""
+"""The benchmark scripts still run, and refuse bad input. They measure speed; these tests only check
+they produce numbers."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from conftest import ROOT
 
@@ -54,3 +57,20 @@ def test_ppo_jax_speed_measures_the_process_beside_the_compiled_program():
     assert any(line.startswith("(b) python ppo_jax.py --num-seeds 2 --total-timesteps 1024: ") for line in lines)
     ratio = next(line for line in lines if "the process over the compiled program" in line)
     assert float(ratio.split("): ")[1].split("x")[0]) > 0
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("throughput.py", ["--num-envs", "8", "0"], "--num-envs must be at least 1, not 0"),
+    ("throughput.py", ["--rounds", "-1"], "--rounds must be at least 1, not -1"),
+    ("throughput.py", ["--env", "Breakot"], "unknown Atari game 'Breakot'"),
+    ("throughput.py", ["--baseline", "missing.py"], "--baseline missing.py is not a file"),
+    ("ppo_jax_speed.py", ["--seeds", "16", "0"], "--seeds must be at least 1, not 0"),
+    ("ppo_jax_speed.py", ["--compare", "missing.py"], "--compare missing.py is not a file"),
+])
+def test_the_speed_benchmarks_refuse_bad_input_in_one_line(script, args, message, tmp_path):
+    # Before anything is measured: an error line after argparse's usage, status 2, no traceback.
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"{script}: error: ") and message in last, result.stderr

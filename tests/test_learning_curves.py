@@ -206,9 +206,12 @@ def test_nothing_to_draw_and_a_run_without_its_checkpoint_are_refused(tmp_path, 
     write_sitting(tmp_path / "halfcheetah" / "seed-1", [(100, [1.0])])
     assert curves.main(["halfcheetah", "--seeds", "1", "--runs", str(tmp_path), "--results", str(tmp_path)]) == 2
     assert "holds the events of a run but no checkpoint" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exit:
-        curves.main(["breakout", "--budget", "2 million"])
-    assert exit.value.code == 2
+    for budget, words in [("2 million", "not a number"), ("0", "not a whole, positive number"),
+                          ("-2M", "not a whole, positive number"), ("1.5", "not a whole, positive number")]:
+        with pytest.raises(SystemExit) as exit:
+            curves.main(["breakout", f"--budget={budget}"])
+        assert exit.value.code == 2
+        assert f"argument --budget: {words} of steps: '{budget}'" in capsys.readouterr().err
     assert curves.parse_steps("2M") == curves.parse_steps("2e6") == curves.parse_steps("2_000_000") == 2_000_000
 
 
