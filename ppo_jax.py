@@ -1478,6 +1478,9 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
         if saved[name] != getattr(config, name):
             raise ConfigError(f"a resumed run keeps its --{name.replace('_', '-')} ({saved[name]}): the checkpoint "
                               "holds the state of exactly that many")
+    if config.eval is not None and saved["num_seeds"] != config.num_seeds:
+        raise ConfigError(f"checkpoint {path} holds {saved['num_seeds']} agent(s), and --eval plays them all: "
+                          f"leave out --num-seeds, or give {saved['num_seeds']}")
     if config.resume is not None and checkpoint["update"] >= config.num_updates:
         raise ConfigError(f"checkpoint {config.resume} has trained {checkpoint['global_step']:,} steps, all that "
                           f"--total-timesteps {config.total_timesteps:,} allows; to train on, resume with a larger one")

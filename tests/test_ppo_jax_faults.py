@@ -125,6 +125,12 @@ def test_a_run_says_where_it_ends_when_the_steps_asked_for_are_not_whole_batches
     assert read_checkpoint(path)["global_step"] == 512
 
 
+def test_eval_with_another_number_of_agents_exits_2(small, capsys):
+    line = main_error(capsys, "--eval", small[0], "--num-seeds", 3)
+    assert line.endswith(f"checkpoint {small[0]} holds 1 agent(s), and --eval plays them all: leave out --num-seeds, "
+                         "or give 1"), line
+
+
 def test_resuming_a_run_that_has_trained_all_its_steps_exits_2(small, capsys, tmp_path):
     line = main_error(capsys, "--resume", small[0], "--run-dir", tmp_path / "run")
     assert line.endswith(f"checkpoint {small[0]} has trained 512 steps, all that --total-timesteps 600 allows; "
