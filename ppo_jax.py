@@ -1595,7 +1595,7 @@ def load_checkpoint(path: str) -> dict:
     they are restored, by `restore_tree`.)
     """
     if not Path(path).is_file():
-        raise ConfigError(f"checkpoint {path} does not exist")
+        raise ConfigError(f"checkpoint {path} {'is not a file' if Path(path).exists() else 'does not exist'}")
     try:
         checkpoint = flax.serialization.msgpack_restore(Path(path).read_bytes())
     except Exception as error:  # msgpack raises many kinds for a damaged file

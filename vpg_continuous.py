@@ -1593,7 +1593,7 @@ def run_dir_lock(run_dir: Path):
 def load_checkpoint(path: str) -> dict:
     """Read a checkpoint of this script (tensors and plain data only), or raise a `ConfigError`."""
     if not Path(path).is_file():
-        raise ConfigError(f"checkpoint {path} does not exist")
+        raise ConfigError(f"checkpoint {path} {'is not a file' if Path(path).exists() else 'does not exist'}")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many kinds for a damaged file

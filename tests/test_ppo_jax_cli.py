@@ -369,6 +369,7 @@ def test_bad_input_through_the_command_line(run, args, message):
     (["--device", "tpu"], "invalid choice: 'tpu'"),
     (["--env", "Breakout", "--num-seeds", "4"], "--num-seeds is for gymnax environments: an Atari run's games"),
     (["--eval", "missing.msgpack"], "checkpoint missing.msgpack does not exist"),
+    (["--resume", "."], "checkpoint . is not a file"),
     (["--eval", "a.msgpack", "--resume", "b.msgpack"], "cannot be used together"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message, capsys):
