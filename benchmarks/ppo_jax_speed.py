@@ -252,7 +252,8 @@ def main() -> None:
     parser.add_argument("--measure", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     for name, least in [("seeds", 1), ("total_timesteps", 1), ("repeats", 1), ("iterations", 1), ("warmup", 0)]:
-        if (value := min(getattr(args, name) if name == "seeds" else [getattr(args, name)])) < least:
+        given = getattr(args, name)
+        if (value := min(given if isinstance(given, list) else [given])) < least:
             parser.error(f"--{name.replace('_', '-')} must be at least {least}, not {value}")
     if args.compare is not None and not args.compare.is_file():
         parser.error(f"--compare {args.compare} is not a file")

@@ -198,7 +198,8 @@ def main() -> None:
     args = parser.parse_args()
     for name, least in [("num_envs", 1), ("num_workers", 0), ("steps", 1), ("repeats", 1), ("iterations", 1),
                         ("warmup", 0), ("rounds", 1)]:
-        if (value := min(getattr(args, name) if name == "num_envs" else [getattr(args, name)])) < least:
+        given = getattr(args, name)
+        if (value := min(given if isinstance(given, list) else [given])) < least:
             parser.error(f"--{name.replace('_', '-')} must be at least {least}, not {value}")
     if args.baseline is not None and not args.baseline.is_file():
         parser.error(f"--baseline {args.baseline} is not a file")
