@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def environment() -> dict:
     env = {key: value for key, value in os.environ.items() if key != "JAX_COMPILATION_CACHE_DIR"}
-    return {**env, "PYTHONPATH": str(ROOT)}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])}
 
 
 def measure_compiled(seeds: int, total_timesteps: int) -> dict:
