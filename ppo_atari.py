@@ -1710,9 +1710,9 @@ class Signals:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        Signals.closed = self.closing  # first: the handler given back may run as soon as it is
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-        Signals.closed = self.closing
 
 
 class RunWorkers(Workers):

@@ -112,6 +112,33 @@ def test_signals_wait_while_a_checkpoint_is_written_and_are_dropped_while_closin
 
 
 @SCRIPTS
+def test_a_signal_the_moment_a_closing_run_gives_back_the_handler_finds_the_run_closed(module, monkeypatch):
+    # The script's own handler drops signals once `Signals.closed` says the run let go while closing.
+    # It can run as soon as it is given back, before `__exit__` returns: CI once saw a traceback so.
+    monkeypatch.setattr(module.Signals, "closed", False)
+    seen, give_back = [], signal.signal
+
+    def signal_arriving_at_once(signum, handler):
+        previous = give_back(signum, handler)
+        if handler is own_handler:
+            handler(signum, None)
+        return previous
+
+    def own_handler(signum, frame):
+        seen.append(module.Signals.closed)
+
+    before = signal.signal(signal.SIGINT, own_handler)
+    try:
+        with module.Signals(announce=False) as signals:
+            monkeypatch.setattr(signal, "signal", signal_arriving_at_once)
+            signals.closing = True
+    finally:
+        monkeypatch.undo()
+        signal.signal(signal.SIGINT, before)
+    assert seen == [True]
+
+
+@SCRIPTS
 def test_two_signals_at_once_are_one_request_among_ranks(module):
     signals = module.Signals(announce=False, same_within=0.5)
     signals.training = True
