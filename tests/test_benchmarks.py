@@ -34,6 +34,23 @@ def test_throughput_benchmark_runs(tmp_path):
     assert "of the workers alone" in result.stdout
 
 
+def test_shared_cores_benchmark_times_steps_beside_a_neighbour(tmp_path):
+    # Two runs of two steps on one thread beside a neighbour on one; then a run past its limit is stopped.
+    script = [sys.executable, str(ROOT / "benchmarks" / "shared_cores.py"), "--threads", "1", "--neighbour-threads", "1",
+              "--steps", "2", "--precision", "fp32", "--json", str(tmp_path / "runs.json")]
+    result = subprocess.run(script + ["--runs", "2"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    runs = json.loads((tmp_path / "runs.json").read_text())
+    assert runs["threads"] == 1 and runs["neighbour_threads"] == 1 and len(runs["runs"]) == 2
+    for run in runs["runs"]:
+        assert run["threads"] == 1 and not run["bf16"] and len(run["seconds"]) == 2 and min(run["seconds"]) > 0
+    assert "1 thread(s) beside 1 on " in result.stdout and ": 2 of 2 runs finished, in " in result.stdout
+    result = subprocess.run(script + ["--runs", "1", "--limit", "0.1"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "runs.json").read_text())["runs"] == [None]
+    assert "run 1: stopped after 0.1 s" in result.stdout and "0 of 1 runs finished; 1 stopped after 0.1 s" in result.stdout
+
+
 def test_ppo_jax_speed_measures_ppo_atari_in_the_precision_asked_for():
     # The Atari comparison runs ppo_atari.py twice, in its default precision and in float32; this
     # checks the float32 one really is float32 and that its split adds up.
@@ -66,6 +83,8 @@ def test_ppo_jax_speed_measures_the_process_beside_the_compiled_program():
     ("throughput.py", ["--baseline", "missing.py"], "--baseline missing.py is not a file"),
     ("ppo_jax_speed.py", ["--seeds", "16", "0"], "--seeds must be at least 1, not 0"),
     ("ppo_jax_speed.py", ["--compare", "missing.py"], "--compare missing.py is not a file"),
+    ("shared_cores.py", ["--runs", "0"], "argument --runs: must be at least 1, not 0"),
+    ("shared_cores.py", ["--neighbour-threads", "two"], "argument --neighbour-threads: not a number: 'two'"),
 ])
 def test_the_speed_benchmarks_refuse_bad_input_in_one_line(script, args, message, tmp_path):
     # Before anything is measured: an error line after argparse's usage, status 2, no traceback.
