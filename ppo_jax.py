@@ -1648,8 +1648,10 @@ def restore_tree(template: Any, state: Any, path: str) -> Any:
 # still on the device, to a thread of their own, which copies them to the host, writes them and
 # shows the progress line while the next chunk computes (`log_chunk`). It logs one chunk at a time,
 # in order; what it could not write (an `OSError`: a full disk) is raised in the main thread when
-# the next chunk is handed to it. Before a checkpoint is written the run waits for the logs to be
-# on disk, so that a checkpoint never holds more of the run than its logs.
+# the next chunk is handed to it. It writes the checkpoints too, once the chunk's logs are on disk,
+# so that a checkpoint never holds more of the run than its logs; the main thread only takes the
+# runners to save (`storable`) before it dispatches the next chunk. (Written by the main thread,
+# each checkpoint of 2,048 agents left an H100 idle for about 0.9 s.)
 
 
 class EventWriter:
@@ -1932,10 +1934,20 @@ class Run:
         self.logger = self.opened.enter_context(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="logging"))
         self.opened.callback(self.logged)  # the first to run at the end: the logging thread writes with the writers
 
-    def log(self, *chunk) -> None:
-        """Hand a chunk to the logging thread (`log_chunk`) once it is done with the last; raise what that raised."""
+    def log(self, *chunk, checkpoint: tuple[int, Runner] | None = None) -> None:
+        """Hand a chunk to the logging thread (`log_chunk`) once it is done with the last; raise what that raised.
+        With `checkpoint`, `(update, storable runners)`, the thread then writes it, once the chunk's logs are written."""
         self.logged()
-        self.logging = self.logger.submit(log_chunk, self, *chunk)
+        self.logging = self.logger.submit(self.log_and_save, chunk, checkpoint)
+
+    def log_and_save(self, chunk: tuple, checkpoint: tuple[int, Runner] | None) -> None:
+        log_chunk(self, *chunk)
+        if checkpoint is not None:
+            for writer in [self.writer, *self.writers]:
+                writer.flush()  # so that a checkpoint never holds more of the run than its logs
+            update, runners = checkpoint
+            self.write_checkpoint(checkpoint_state(self.config, self.env_id, update, update * self.config.batch_size,
+                                                   runners=runners))
 
     def logged(self) -> None:
         logging, self.logging = self.logging, None
@@ -2024,11 +2036,6 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
                 count = min(count, config.checkpoint_every - update % config.checkpoint_every, config.num_updates - update)
                 return count, time.perf_counter(), *train_chunk(runners, jnp.int32(count))
 
-            def save() -> None:
-                run.flush()  # so that a checkpoint never holds more of the run than its logs
-                run.write_checkpoint(checkpoint_state(config, env_id, update, update * config.batch_size,
-                                                      runners=storable(runners)))
-
             signals.training = True
             chunk = dispatch(1)  # the first chunk: one update, to time it
             while chunk is not None:
@@ -2042,12 +2049,14 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
                         "the loss or the parameters became NaN or infinite") + "; no step was taken from there on")
                 seconds = time.perf_counter() - dispatched
                 runners, first_update, update = new_runners, update, update + count
+                last = update >= config.num_updates or signals.requested is not None
+                # A checkpoint's runners are taken before the next chunk is dispatched, so that their copy to the
+                # host need not wait for it; the logging thread copies and writes them while it computes.
+                saved = (update, storable(runners)) if update % config.checkpoint_every == 0 or last else None
                 # The next chunk, as many updates as fit in `CHUNK_SECONDS` at this one's speed.
-                chunk = None if update >= config.num_updates or signals.requested else dispatch(
-                    max(1, min(length, int(CHUNK_SECONDS * count / seconds))))
-                run.log(metrics, runners.episodes, count, first_update, count * config.batch_size * config.num_seeds / seconds)
-                if update % config.checkpoint_every == 0 or chunk is None:
-                    save()
+                chunk = None if last else dispatch(max(1, min(length, int(CHUNK_SECONDS * count / seconds))))
+                run.log(metrics, runners.episodes, count, first_update, count * config.batch_size * config.num_seeds / seconds,
+                        checkpoint=saved)
                 if update % config.checkpoint_every == 0 and config.capture_video:
                     # An episode of the first agent's policy now, as CleanRL records its first env's.
                     agent = jax.tree.map(lambda value: value[0], (runners.agent.params, runners.normalizer))
