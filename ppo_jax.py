@@ -1651,7 +1651,8 @@ def restore_tree(template: Any, state: Any, path: str) -> Any:
 # the next chunk is handed to it. It writes the checkpoints too, once the chunk's logs are on disk,
 # so that a checkpoint never holds more of the run than its logs; the main thread only takes the
 # runners to save (`storable`) before it dispatches the next chunk. (Written by the main thread,
-# each checkpoint of 2,048 agents left an H100 idle for about 0.9 s.)
+# the checkpoints of 2,048 agents left an H100 idle for 7.3 s between the chunks of a 400-update
+# run, against 3.1 s written here: `benchmarks/README.md`.)
 
 
 class EventWriter:
@@ -1998,7 +1999,11 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
     `--capture-video`) and looks for a stop request. Chunks are sized by time, so that the progress
     line moves and Ctrl-C is answered within `CHUNK_SECONDS` or so, whatever an update costs (on a
     2-core CPU a MinAtar update takes a second, a CartPole update 4 ms): the first is one update,
-    each next one as many as fit in `CHUNK_SECONDS` at the last one's speed. One program, compiled
+    each next one as many as fit in `CHUNK_SECONDS` at the fastest speed a chunk has shown. (A chunk is timed from
+    its dispatch to the moment the main thread learns it is done, which comes later if the main thread was kept
+    waiting meanwhile, by the logging thread writing a checkpoint, say. Sized by the last chunk alone, on an H100 with
+    2,048 agents, the chunks after a 1-update chunk that waited for a checkpoint had 2, 4 and 7 updates where 50
+    fit.) One program, compiled
     for `length` updates, serves them all: a shorter chunk skips the rest of its scan (see
     `train_chunk`). (Not `jax.debug.callback` after every update: JAX's persistent compilation cache
     refuses a program with a host callback.)
@@ -2037,7 +2042,7 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
                 return count, time.perf_counter(), *train_chunk(runners, jnp.int32(count))
 
             signals.training = True
-            chunk = dispatch(1)  # the first chunk: one update, to time it
+            chunk, fastest = dispatch(1), math.inf  # the first chunk: one update, to time it; seconds an update
             while chunk is not None:
                 count, dispatched, new_runners, metrics = chunk
                 if jnp.any(metrics["diverged"]):  # all that crosses to the host now, once the chunk is done: one flag
@@ -2053,8 +2058,9 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
                 # A checkpoint's runners are taken before the next chunk is dispatched, so that their copy to the
                 # host need not wait for it; the logging thread copies and writes them while it computes.
                 saved = (update, storable(runners)) if update % config.checkpoint_every == 0 or last else None
-                # The next chunk, as many updates as fit in `CHUNK_SECONDS` at this one's speed.
-                chunk = None if last else dispatch(max(1, min(length, int(CHUNK_SECONDS * count / seconds))))
+                # The next chunk, as many updates as fit in `CHUNK_SECONDS` at the fastest speed seen.
+                fastest = min(fastest, seconds / count)
+                chunk = None if last else dispatch(max(1, min(length, int(CHUNK_SECONDS / fastest))))
                 run.log(metrics, runners.episodes, count, first_update, count * config.batch_size * config.num_seeds / seconds,
                         checkpoint=saved)
                 if update % config.checkpoint_every == 0 and config.capture_video:

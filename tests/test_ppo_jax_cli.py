@@ -129,6 +129,35 @@ def test_the_next_chunk_is_computing_while_the_last_is_logged(monkeypatch, tmp_p
     assert ppo_jax.read_agent_series(tmp_path / ppo_jax.AGENTS_FILE)["step"].tolist() == [256, 512, 768, 1024]
 
 
+def test_a_chunk_that_waited_for_the_host_does_not_shrink_the_next(monkeypatch, tmp_path):
+    # The main thread is kept waiting 0.5 s once, as a checkpoint being written keeps it: the chunk it then learns is
+    # done looks slower than it ran. Chunks are sized by the fastest one seen, so none shrinks for it; sized by the
+    # last one alone, the next would have had a tenth of its updates.
+    counts, log_chunk = [], ppo_jax.log_chunk
+    real_compile = ppo_jax.compile_train_chunk
+
+    def recording(*args):
+        train_chunk = real_compile(*args)
+
+        def dispatch(runners, count):
+            counts.append(int(count))
+            return train_chunk(runners, count)
+        return dispatch
+
+    def logging(run, *chunk):
+        if len(counts) == 4:
+            time.sleep(0.5)
+        log_chunk(run, *chunk)
+
+    monkeypatch.setattr(ppo_jax, "compile_train_chunk", recording)
+    monkeypatch.setattr(ppo_jax, "log_chunk", logging)
+    monkeypatch.setattr(ppo_jax, "CHUNK_SECONDS", 0.05)
+    assert ppo_jax.main(["--num-steps", "32", "--total-timesteps", str(200 * 128), "--checkpoint-every", "200",
+                         "--run-dir", str(tmp_path)]) == 0
+    assert len(counts) > 5 and sum(counts) == 200
+    assert counts[1:-1] == sorted(counts[1:-1]), counts  # the last is what was left
+
+
 def test_a_checkpoint_of_the_former_convolutions_is_refused(trained, tmp_path, capsys):
     run_dir, _ = trained
     checkpoint = read_checkpoint(run_dir / "checkpoint.msgpack")
