@@ -51,6 +51,22 @@ def test_shared_cores_benchmark_times_steps_beside_a_neighbour(tmp_path):
     assert "run 1: stopped after 0.1 s" in result.stdout and "0 of 1 runs finished; 1 stopped after 0.1 s" in result.stdout
 
 
+def test_ppo_jax_chunks_times_the_programs_and_the_device_under_the_command_line(tmp_path):
+    out = tmp_path / "chunks.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ppo_jax_chunks.py"), "--seeds", "2",
+                             "--updates", "100", "--count", "50", "--total-timesteps", "2048", "--json", str(out)],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    results = json.loads(out.read_text())
+    programs, run = results["programs"], results["run"]
+    assert results["seeds"] == 2 and programs["updates"] == 100 and min(programs.values()) > 0
+    assert {"chunk_of_50_ms_per_update", "chunk_of_100_ms_per_update_reading_the_flag"} <= set(programs)
+    assert run["status"] == 0 and sum(run["chunk_counts"]) == 4 and run["device_busy_s"] > 0
+    assert run["device_idle_between_chunks_s"] >= 0 and run["write_checkpoint_s"] > 0 and run["log_chunk_s"] > 0
+    assert run["before_first_chunk_s"] + run["device_busy_s"] + run["device_idle_between_chunks_s"] \
+        + run["after_last_chunk_s"] == pytest.approx(run["seconds"])
+
+
 def test_ppo_jax_speed_measures_ppo_atari_in_the_precision_asked_for():
     # The Atari comparison runs ppo_atari.py twice, in its default precision and in float32; this
     # checks the float32 one really is float32 and that its split adds up.
@@ -83,6 +99,8 @@ def test_ppo_jax_speed_measures_the_process_beside_the_compiled_program():
     ("throughput.py", ["--baseline", "missing.py"], "--baseline missing.py is not a file"),
     ("ppo_jax_speed.py", ["--seeds", "16", "0"], "--seeds must be at least 1, not 0"),
     ("ppo_jax_speed.py", ["--compare", "missing.py"], "--compare missing.py is not a file"),
+    ("ppo_jax_chunks.py", ["--updates", "5"], "--updates must be at least 100, not 5"),
+    ("ppo_jax_chunks.py", ["--script", "missing.py"], "--script missing.py is not a file"),
     ("shared_cores.py", ["--runs", "0"], "argument --runs: must be at least 1, not 0"),
     ("shared_cores.py", ["--neighbour-threads", "two"], "argument --neighbour-threads: not a number: 'two'"),
 ])
