@@ -1955,12 +1955,6 @@ class Run:
         if logging is not None:
             logging.result()
 
-    def flush(self) -> None:
-        """Wait for the logging thread and for the writers' threads; raise what either could not write."""
-        self.logged()
-        for writer in [self.writer, *self.writers]:
-            writer.flush()
-
     def last_checkpoint(self) -> Path | None:
         """The newest checkpoint of this run that exists: its own, else the one it resumed from, else none."""
         return next((Path(path) for path in [self.checkpoint_path, self.config.resume]

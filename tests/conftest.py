@@ -16,10 +16,10 @@ sys.path.insert(0, str(ROOT))
 # spinning, and two processes whose threads together outnumber the cores can keep each other
 # spinning. On 2 cores of an AMD EPYC, beside a process multiplying matrices on both cores, 16
 # minibatch steps of `ppo_atari.py`'s network in bfloat16 took 2.7 s in 2 runs of 6, 31 s in one,
-# and more than a minute in the other 3; with one thread in each process, 1.2 s in all 6 (`python
-# benchmarks/shared_cores.py`, then `--threads 1 --neighbour-threads 1`). CI once saw a Ctrl-C test
-# time out so, waiting for the update to end. This runs before anything imports torch, and leaves
-# a value the user set alone.
+# and did not finish within a minute in the other 3; with one thread in each process, 1.2 s in all
+# 6 (`python benchmarks/shared_cores.py`, then `--threads 1 --neighbour-threads 1`). CI once saw a
+# Ctrl-C test time out so, waiting for the update to end. This runs before anything imports torch,
+# and leaves a value the user set alone.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))

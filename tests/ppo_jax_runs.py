@@ -44,6 +44,22 @@ def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
+def note_dispatches(monkeypatch, ppo_jax, note) -> None:
+    """Have every chunk the command line dispatches call `note(its number of updates)` first."""
+    compile_train_chunk = ppo_jax.compile_train_chunk
+
+    def recording(*args, **kwargs):
+        train_chunk = compile_train_chunk(*args, **kwargs)
+
+        def dispatch(runners, count):
+            note(int(count))
+            return train_chunk(runners, count)
+
+        return dispatch
+
+    monkeypatch.setattr(ppo_jax, "compile_train_chunk", recording)
+
+
 def read_checkpoint(path: Path) -> dict:
     return flax.serialization.msgpack_restore(Path(path).read_bytes())
 

@@ -16,6 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import ppo_jax
 from conftest import ROOT, readme_example
 from ppo_jax_runs import SCRIPT, Watched, environment, patched, read_checkpoint, run, scalars  # noqa: F401 (fixtures)
+from ppo_jax_runs import note_dispatches
 from videos import assert_plays
 
 TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/episodic_return_last_100", "charts/learning_rate", "charts/clip_range",
@@ -98,17 +99,7 @@ def test_the_next_chunk_is_computing_while_the_last_is_logged(monkeypatch, tmp_p
     # Each chunk is dispatched before the one before it is handed to the logging thread, and the
     # chunks are logged one at a time, in order: the device works while the host writes.
     events = []
-    compile_train_chunk = ppo_jax.compile_train_chunk
-
-    def recording(*args, **kwargs):
-        train_chunk = compile_train_chunk(*args, **kwargs)
-
-        def dispatched(runners, count):
-            events.append(("dispatch", int(count)))
-            return train_chunk(runners, count)
-
-        return dispatched
-
+    note_dispatches(monkeypatch, ppo_jax, lambda count: events.append(("dispatch", count)))
     log_chunk = ppo_jax.log_chunk
 
     def logging(run, metrics, episodes, count, first_update, sps):
@@ -116,7 +107,6 @@ def test_the_next_chunk_is_computing_while_the_last_is_logged(monkeypatch, tmp_p
         log_chunk(run, metrics, episodes, count, first_update, sps)
         events.append(("logged", first_update))
 
-    monkeypatch.setattr(ppo_jax, "compile_train_chunk", recording)
     monkeypatch.setattr(ppo_jax, "log_chunk", logging)
     monkeypatch.setattr(ppo_jax, "CHUNK_SECONDS", 0.0)  # chunks of one update each
     assert ppo_jax.main([*map(str, SMALL), "--run-dir", str(tmp_path), "--total-timesteps", "1024"]) == 0
@@ -134,22 +124,13 @@ def test_a_chunk_that_waited_for_the_host_does_not_shrink_the_next(monkeypatch, 
     # done looks slower than it ran. Chunks are sized by the fastest one seen, so none shrinks for it; sized by the
     # last one alone, the next would have had a tenth of its updates.
     counts, log_chunk = [], ppo_jax.log_chunk
-    real_compile = ppo_jax.compile_train_chunk
-
-    def recording(*args):
-        train_chunk = real_compile(*args)
-
-        def dispatch(runners, count):
-            counts.append(int(count))
-            return train_chunk(runners, count)
-        return dispatch
+    note_dispatches(monkeypatch, ppo_jax, counts.append)
 
     def logging(run, *chunk):
         if len(counts) == 4:
             time.sleep(0.5)
         log_chunk(run, *chunk)
 
-    monkeypatch.setattr(ppo_jax, "compile_train_chunk", recording)
     monkeypatch.setattr(ppo_jax, "log_chunk", logging)
     monkeypatch.setattr(ppo_jax, "CHUNK_SECONDS", 0.05)
     assert ppo_jax.main(["--num-steps", "32", "--total-timesteps", str(200 * 128), "--checkpoint-every", "200",

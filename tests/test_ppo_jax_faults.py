@@ -21,6 +21,7 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 import ppo_jax
 from conftest import ROOT
 from ppo_jax_runs import SCRIPT, Watched, environment, patched, read_checkpoint, run  # noqa: F401 (fixtures)
+from ppo_jax_runs import note_dispatches
 
 
 def ppo_jax_run(environment, command, *args, timeout=300):
@@ -314,26 +315,17 @@ def test_parameters_made_non_finite_by_the_last_step_of_an_update_are_never_save
 def test_checkpoints_are_written_by_the_logging_thread_while_the_next_chunk_computes(monkeypatch, tmp_path):
     # The main thread hands each checkpoint to the logging thread, after the chunk's logs, and dispatches the next
     # chunk first: on an H100, written by the main thread, 2,048 agents' checkpoints left the device idle 7.3 s in 400
-    # updates, against 3.1 s so.
-    dispatched, written = [], []
-    real_compile, real_save = ppo_jax.compile_train_chunk, ppo_jax.save_checkpoint
-
-    def compile_train_chunk(*args):
-        train_chunk = real_compile(*args)
-
-        def counted(runners, count):
-            dispatched.append(int(count))
-            return train_chunk(runners, count)
-        return counted
+    # updates, against 3.1 s written by the logging thread.
+    dispatched, written, real_save = [], [], ppo_jax.save_checkpoint
+    note_dispatches(monkeypatch, ppo_jax, dispatched.append)
 
     def save_checkpoint(state, path):
-        events = [event for path in tmp_path.glob("events.out.tfevents.*") for event in EventFileLoader(str(path)).Load()]
+        events = [event for file in tmp_path.glob("events.out.tfevents.*") for event in EventFileLoader(str(file)).Load()]
         logged = max(event.step for event in events if event.summary.value)
         written.append((threading.current_thread().name, state["update"], sum(dispatched), logged))
         real_save(state, path)
 
     monkeypatch.setattr(ppo_jax, "CHUNK_SECONDS", 0.0)  # chunks of one update each
-    monkeypatch.setattr(ppo_jax, "compile_train_chunk", compile_train_chunk)
     monkeypatch.setattr(ppo_jax, "save_checkpoint", save_checkpoint)
     assert ppo_jax.main(["--num-steps", "32", "--total-timesteps", "1024", "--checkpoint-every", "2",
                          "--run-dir", str(tmp_path)]) == 0
