@@ -104,7 +104,8 @@ def measure_run(ppo_jax, seeds: int, total_timesteps: int, run_dir: Path) -> dic
         setattr(owner, name, wrapper)
 
     ppo_jax.compile_train_chunk = watched_compile
-    timed(ppo_jax.Run, "log"), timed(ppo_jax.Run, "write_checkpoint"), timed(ppo_jax, "log_chunk")
+    for owner, name in [(ppo_jax.Run, "log"), (ppo_jax.Run, "write_checkpoint"), (ppo_jax, "log_chunk")]:
+        timed(owner, name)
     started = time.perf_counter()
     status = ppo_jax.main(["--env", "CartPole-v1", "--num-seeds", str(seeds), "--total-timesteps", str(total_timesteps),
                            "--run-dir", str(run_dir)])
