@@ -1075,8 +1075,12 @@ class Workers:
 # of floating point.
 #
 # * The network is `TunedActorCritic`: Part 1's layers in the `channels_last` layout that the
-#   convolution libraries prefer, with its frames stored so in the rollout, and its torso in bfloat16
-#   where `use_bf16` finds it pays (Part 3's `--precision` decides).
+#   convolution libraries prefer, and its torso in bfloat16 where `use_bf16` finds it pays (Part 3's
+#   `--precision` decides). On a CPU the rollout stores its frames in that layout too, so that the
+#   update's minibatches need no transposing. On CUDA the frames stay as the games give them,
+#   channels first, and the GPU changes their layout: on the host, the transposing copy took most of
+#   the main process's own time in a step (201 microseconds for 8 games, against 30 without it, on a
+#   2-core EPYC, the network's call aside; `benchmarks/throughput.py --part host`).
 # * While the games are sampled, torch computes on one thread. A batch of 8 observations gains
 #   little from more, and the threads of a parallel section keep spinning for a while after it ends,
 #   on the very cores the workers need to step their games: sampling ran 25% slower on a CPU, and on
@@ -1137,9 +1141,9 @@ class TunedActorCritic(ActorCritic):
 
 
 class FastSamplingTrainer(Trainer):
-    """Part 1's `Trainer` with `TunedActorCritic` (its torso in bfloat16 if `bf16`), its frames stored
-    in the network's layout, sampling on one thread, and on CUDA from pinned memory and a CUDA graph
-    (`cuda_graph`)."""
+    """Part 1's `Trainer` with `TunedActorCritic` (its torso in bfloat16 if `bf16`), sampling on one
+    thread, on a CPU its frames stored in the network's layout, and on CUDA from pinned memory and a
+    CUDA graph (`cuda_graph`)."""
 
     cuda_graph = True
 
@@ -1154,8 +1158,11 @@ class FastSamplingTrainer(Trainer):
         return TunedActorCritic(super().build_model(), self.bf16)
 
     def frame_array(self, leading: tuple[int, ...]) -> np.ndarray:
-        # Frames stored channels-last, the network's layout, seen channels first: each step's copy
-        # into the store transposes them, so that a minibatch gathered from it needs no transposition.
+        # On a CPU, frames stored channels-last, the network's layout, seen channels first: each step's
+        # copy into the store transposes them, so that a minibatch gathered from it needs no
+        # transposition. On CUDA, Part 1's: the GPU transposes, in the graph and in each minibatch.
+        if self.device.type == "cuda":
+            return super().frame_array(leading)
         channels, *pixels = self.envs.observation_shape
         return np.moveaxis(self.host_array(leading + tuple(pixels) + (channels,), np.uint8), -1, len(leading))
 

@@ -15,8 +15,15 @@
     measures another copy of `ppo_atari.py` (an earlier commit's, say) in the same run, the two
     taking turns, so that a change is measured side by side on one machine.
 
+(c) The host's side of a step: the microseconds the main process spends on a step of the rollout
+    with the games and the network's call taken out (fixed frames, and the network's outputs made
+    once, as a CUDA graph leaves the host nothing but to copy them), for frames stored channels
+    last (as the trainer stores them on a CPU) and channels first (as on CUDA). It runs on a CPU
+    alone, so it counts here what a GPU run's main process does between two replays of the graph.
+
     python benchmarks/throughput.py                   # both parts, Breakout, 8 and 32 games
     python benchmarks/throughput.py --part train --device cuda --precision fp32 --num-envs 8 32 --rounds 3
+    python benchmarks/throughput.py --part host --num-envs 8 32
     git show 30d4d64:ppo_atari.py > /tmp/before.py
     python benchmarks/throughput.py --part train --precision auto --rounds 3 --baseline /tmp/before.py
 
@@ -144,6 +151,46 @@ def aten_calls_per_step(script, env_id: str, num_envs: int, num_workers: int, de
     return Count.calls / config.num_steps
 
 
+class FixedFrames:
+    """A vector env whose steps cost nothing: the same frames, no reward and no episode end at every step."""
+
+    def __init__(self, num_envs: int, observation_shape: tuple[int, ...]):
+        self.num_envs, self.n_actions, self.observation_shape = num_envs, 4, observation_shape
+        self.obs = np.random.default_rng(0).integers(0, 256, (num_envs, *observation_shape), dtype=np.uint8)
+        self.rewards, self.ends = np.zeros(num_envs, np.float32), np.zeros(num_envs, bool)
+
+    def reset(self) -> np.ndarray:
+        return self.obs
+
+    def step(self, actions: np.ndarray):
+        return ppo_atari.VecStep(self.obs, self.rewards, self.ends, self.ends, self.obs, [])
+
+
+def host_microseconds_per_step(script, num_envs: int, channels_last: bool, rollouts: int = 5) -> float:
+    """The fastest of `rollouts` rollouts of `script`'s `FastSamplingTrainer` on the CPU, in microseconds a step,
+    with `FixedFrames` for games and the network's call made once: what is left is the host's own work, storing
+    the frames (channels last, or as the games give them) and the rest of the rollout."""
+
+    class HostOnly(script.FastSamplingTrainer):
+        def sample_actions(self, obs):
+            if not hasattr(self, "outputs"):
+                self.outputs = tuple(output.clone() for output in super().sample_actions(obs))
+            return self.outputs
+
+        def frame_array(self, leading):
+            return super().frame_array(leading) if channels_last else script.Trainer.frame_array(self, leading)
+
+    config = script.Config(num_envs=num_envs)
+    trainer = HostOnly(config, FixedFrames(num_envs, script.Game.observation_shape), torch.device("cpu"))
+    trainer.collect_rollout()
+    seconds = []
+    for _ in range(rollouts):
+        started = time.perf_counter()
+        trainer.collect_rollout()
+        seconds.append(time.perf_counter() - started)
+    return min(seconds) / config.num_steps * 1e6
+
+
 def train_throughput(script, env_id: str, num_envs: int, num_workers: int, device: torch.device, precision: str,
                      iterations: int, warmup: int, cuda_graph: bool = True) -> dict:
     """Agent steps per second of the trainer a run uses (Part 3's `RunTrainer` of `script`), and the
@@ -180,7 +227,7 @@ def train_throughput(script, env_id: str, num_envs: int, num_workers: int, devic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", default="Breakout")
-    parser.add_argument("--part", choices=["env", "train", "all"], default="all")
+    parser.add_argument("--part", choices=["env", "train", "host", "all"], default="all")
     parser.add_argument("--num-envs", type=int, nargs="+", default=[8, 32], help="games played at once; each is measured")
     parser.add_argument("--num-workers", type=int, default=0, help="0: one per CPU core, at most one per game")
     parser.add_argument("--steps", type=int, default=2000, help="env steps per timed env run")
@@ -207,7 +254,8 @@ def main() -> None:
         env_id = ppo_atari.resolve_env_id(args.env)
     except ppo_atari.ConfigError as error:
         parser.error(str(error))
-    results = {"cpu_count": cpu_count(), "torch": torch.__version__, "env_id": env_id, "env": [], "train": []}
+    results = {"cpu_count": cpu_count(), "torch": torch.__version__, "env_id": env_id, "env": [], "train": [],
+               "host": []}
     for num_envs in args.num_envs:
         num_workers = args.num_workers or min(num_envs, cpu_count())
         if args.part in ("env", "all"):
@@ -251,6 +299,22 @@ def main() -> None:
                           f" | per iteration {run['seconds_per_iteration']:.3f} s"
                           f" = waiting for games {run['env_seconds']:.3f} + inference {run['inference_seconds']:.3f}"
                           f" + update {run['update_seconds']:.3f}")
+        if args.part in ("host", "all"):
+            scripts = {"this": ppo_atari, **({"baseline": load_script(args.baseline)} if args.baseline else {})}
+            print(f"(c) the host's side of a step, {num_envs} games: the rollout with the games and the network's "
+                  f"call taken out, on the CPU, one thread, the fastest of 5 rollouts")
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # as the trainer samples
+            try:
+                for name, script in scripts.items():
+                    host = {"script": getattr(script, "__file__", "ppo_atari.py"), "num_envs": num_envs,
+                            **{f"{layout}_us_per_step": host_microseconds_per_step(script, num_envs, layout == "channels_last")
+                               for layout in ("channels_last", "channels_first")}}
+                    results["host"].append(host)
+                    print(f"    {name}: {host['channels_last_us_per_step']:5.0f} us a step with the frames stored channels "
+                          f"last (a CPU's run), {host['channels_first_us_per_step']:5.0f} channels first (a CUDA run's)")
+            finally:
+                torch.set_num_threads(threads)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

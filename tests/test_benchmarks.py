@@ -32,6 +32,9 @@ def test_throughput_benchmark_runs(tmp_path):
         assert run["env_seconds"] > 0 and run["inference_seconds"] > 0 and run["aten_calls_per_step"] > 0
         assert run["env_seconds"] + run["inference_seconds"] + run["update_seconds"] <= run["seconds_per_iteration"] * 1.01
     assert "of the workers alone" in result.stdout
+    # The host's side of a step, for both scripts and both layouts of the stored frames.
+    assert [host["script"] for host in results["host"]] == [str(ROOT / "ppo_atari.py"), str(baseline)]
+    assert all(host["channels_last_us_per_step"] > 0 and host["channels_first_us_per_step"] > 0 for host in results["host"])
 
 
 def test_shared_cores_benchmark_times_steps_beside_a_neighbour(tmp_path):

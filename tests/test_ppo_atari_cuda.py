@@ -81,6 +81,7 @@ def test_frames_reach_the_gpu_from_pinned_memory_in_the_order_they_were_played(e
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # its __init__ sets them
     rollout = trainer.collect_rollout()
     assert all(tensor.is_pinned() and not tensor.is_cuda for tensor in rollout)
+    assert rollout.obs.is_contiguous()  # channels first, as the games give them: the GPU transposes them
     for t in range(config.num_steps):
         assert (rollout.obs[t] == t).all(), f"step {t}"
     assert (trainer.next_obs == config.num_steps).all()

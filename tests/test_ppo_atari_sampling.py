@@ -69,6 +69,26 @@ def test_a_step_of_8_games_makes_at_most_30_aten_calls_and_crosses_the_device_bo
     assert "aten._to_copy.default" not in calls and "aten._local_scalar_dense.default" not in calls, calls
 
 
+def test_on_a_cpu_the_frames_are_stored_in_the_networks_layout_as_they_are_played():
+    # Channels last, so that the update's minibatches reach the network without a transposition (on
+    # CUDA the store keeps the games' layout and the GPU transposes: `test_ppo_atari_cuda.py`).
+    config = ppo_atari.RunConfig(num_envs=4, num_steps=8, num_minibatches=1, total_timesteps=32, precision="fp32")
+    envs = RandomFrames(4, 0)
+    trainer = ppo_atari.RunTrainer(config, envs, torch.device("cpu"))
+    played = []
+
+    def step(actions, step=envs.step):
+        result = step(actions)
+        played.append(result.obs.copy())
+        return result
+
+    envs.step = step
+    rollout = trainer.collect_rollout()
+    assert rollout.obs.flatten(0, 1).is_contiguous(memory_format=torch.channels_last)
+    for t in range(1, config.num_steps):
+        assert (rollout.obs[t].numpy() == played[t - 1]).all(), f"step {t}"
+
+
 def test_the_update_reads_the_device_once_at_its_end():
     # The advantages and the explained variance are computed on the host, before the batch moves
     # to the device; from the first epoch on nothing reads a value back (`.item()`, the non-finite
