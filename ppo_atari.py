@@ -1572,23 +1572,23 @@ class Progress:
 
     The same text as `vpg_continuous.py`'s but for the words: the scores of games here, the returns
     of episodes there. On a terminal it is redrawn in place after every update; into a file, a new
-    line at most every 10 seconds, and the final one, so that the log of a long run stays short.
+    line at most every 10 seconds, and the final one (once), so that the log of a long run stays short.
     """
 
     def __init__(self, total: int, start_step: int):
         self.total, self.start_step = total, start_step
         self.started = self.last_print = time.perf_counter()
         self.scores: deque[float] = deque(maxlen=20)
-        self.interactive = sys.stderr.isatty()
+        self.interactive, self.printed = sys.stderr.isatty(), None
 
     def steps_per_second(self, step: int) -> float:
         return (step - self.start_step) / max(time.perf_counter() - self.started, 1e-9)
 
     def show(self, step: int, final: bool = False) -> None:
         now = time.perf_counter()
-        if not (self.interactive or final or now - self.last_print >= 10.0):
-            return
-        self.last_print, sps = now, self.steps_per_second(step)
+        if not (self.interactive or final or now - self.last_print >= 10.0) or (step == self.printed and not self.interactive):
+            return  # into a file, a step's line is written once: the final one may be written already
+        self.last_print, self.printed, sps = now, step, self.steps_per_second(step)
         left = format_duration((self.total - step) / sps if sps > 0 else math.inf)
         recent = f"{np.mean(self.scores):.1f} (last {len(self.scores)} games)" if self.scores else "-"
         line = f"step {step:,}/{self.total:,} ({100 * step / self.total:.1f}%) | {sps:,.0f} SPS | {left} left | score {recent}"

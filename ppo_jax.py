@@ -1689,20 +1689,21 @@ class Progress:
 
     On a terminal the line is redrawn at every `show`. In a log (stderr not a terminal) a new line
     is written when waiting for the next `show`, as long as since the last one, would leave more
-    than 10 seconds since the last line: lines come at most 10 seconds apart, and not much more often.
+    than 10 seconds since the last line: lines come at most 10 seconds apart, and not much more often,
+    and the final line is not written twice.
     """
 
     def __init__(self, total: int, start_step: int, agents: int, unit: str):
         self.total, self.start_step, self.agents, self.unit = total, start_step, agents, unit
-        self.score, self.interactive = "-", sys.stderr.isatty()
+        self.score, self.interactive, self.printed = "-", sys.stderr.isatty(), None
         self.started = self.last_print = self.last_show = time.perf_counter()
 
     def show(self, step: int, final: bool = False) -> None:
         now = time.perf_counter()
         next_show, self.last_show = now + (now - self.last_show), now
-        if not (self.interactive or final or next_show - self.last_print > 10):
-            return
-        self.last_print = now
+        if not (self.interactive or final or next_show - self.last_print > 10) or (step == self.printed and not self.interactive):
+            return  # in a log, a step's line is written once: the final one may be written already
+        self.last_print, self.printed = now, step
         sps = (step - self.start_step) * self.agents / max(now - self.started, 1e-9)
         left = (self.total - step) * self.agents / sps if sps > 0 else math.inf
         left = "?" if not math.isfinite(left) else (f"{int(left) // 3600}h{int(left) % 3600 // 60:02d}m" if left >= 3600

@@ -79,3 +79,15 @@ def test_a_kl_penalty_is_set_from_the_command_line_and_logged(monkeypatch, tmp_p
     assert [step for step, _ in logged["losses/kl_penalty"]] == [256, 512]
     assert logged["losses/kl_penalty"] == logged["losses/approx_kl"]
     assert read_checkpoint(tmp_path / "checkpoint.msgpack")["config"]["kl_coef"] == 0.5
+
+
+def test_in_a_log_the_progress_line_of_a_step_is_written_once(capsys):
+    # A run whose last chunk's line was just written does not write it again as the final one.
+    progress = ppo_jax.Progress(2048, 0, agents=2, unit="episodes")
+    progress.last_print -= 11
+    progress.show(1024)
+    progress.show(2048, final=True)
+    progress.show(2048, final=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" |")[0] for line in lines] == ["step 1,024/2,048 x 2 agents (50.0%)",
+                                                       "step 2,048/2,048 x 2 agents (100.0%)"]

@@ -66,3 +66,16 @@ def test_a_run_trains_with_run_trainer_and_a_nan_keeps_the_last_good_checkpoint(
     # Each phase was counted, for the log's split of each update's time.
     assert trainer.envs.seconds["env"] > 0 and trainer.seconds["sampling"] > trainer.envs.seconds["env"]
     assert trainer.seconds["update"] > 0
+
+
+def test_in_a_log_the_progress_line_of_a_step_is_written_once(script, capsys):
+    # Into a file, a line every 10 seconds and the final one: a run whose last update's line was
+    # just written does not write it again as the final one.
+    progress = script.module.Progress(2048, 0)
+    progress.last_print -= 11
+    progress.show(1024)
+    progress.show(1536)  # within 10 seconds of the last line: not written
+    progress.show(1536, final=True)
+    progress.show(1536, final=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" |")[0] for line in lines] == ["step 1,024/2,048 (50.0%)", "step 1,536/2,048 (75.0%)"]
