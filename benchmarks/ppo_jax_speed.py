@@ -251,7 +251,8 @@ def main() -> None:
                         "(its process and its Atari iteration)")
     parser.add_argument("--measure", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    for name, least in [("seeds", 1), ("total_timesteps", 1), ("repeats", 1), ("iterations", 1), ("warmup", 0)]:
+    # A CartPole run is at least one batch of its 4 envs x 128 steps.
+    for name, least in [("seeds", 1), ("total_timesteps", 512), ("repeats", 1), ("iterations", 1), ("warmup", 0)]:
         given = getattr(args, name)
         if (value := min(given if isinstance(given, list) else [given])) < least:
             parser.error(f"--{name.replace('_', '-')} must be at least {least}, not {value}")

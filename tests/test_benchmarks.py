@@ -102,6 +102,7 @@ def test_ppo_jax_speed_measures_the_process_beside_the_compiled_program():
     ("throughput.py", ["--baseline", "missing.py"], "--baseline missing.py is not a file"),
     ("ppo_jax_speed.py", ["--seeds", "16", "0"], "--seeds must be at least 1, not 0"),
     ("ppo_jax_speed.py", ["--compare", "missing.py"], "--compare missing.py is not a file"),
+    ("ppo_jax_speed.py", ["--total-timesteps", "100"], "--total-timesteps must be at least 512, not 100"),
     ("ppo_jax_chunks.py", ["--updates", "5"], "--updates must be at least 100, not 5"),
     ("ppo_jax_chunks.py", ["--script", "missing.py"], "--script missing.py is not a file"),
     ("shared_cores.py", ["--runs", "0"], "argument --runs: must be at least 1, not 0"),
