@@ -643,6 +643,18 @@ class Rollout(NamedTuple):
     truncated: torch.Tensor
 
 
+class Batch(NamedTuple):
+    """A rollout flattened into one batch of transitions, on the device, with its advantages and
+    returns: what the update draws its minibatches from."""
+
+    obs: torch.Tensor
+    actions: torch.Tensor
+    log_probs: torch.Tensor
+    values: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+
+
 # What `Trainer.update_policy` reports besides what it measured: the points of the schedules, and
 # how many epochs ran. Everything else in its result is a measurement, logged under `losses/`.
 NOT_MEASURED = ("learning_rate", "clip_range", "epochs", "stopped_early")
@@ -663,6 +675,7 @@ class Trainer:
         # Adam with eps 1e-5 rather than its default 1e-8, as in the PPO reference implementation;
         # the fused kernel updates all parameters in one pass instead of a dozen small ops each.
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate, eps=1e-5, fused=True)
+        self.optimizer.found_inf = torch.zeros((), device=device)  # see `minibatch_step`
         self.update = 0
         self.global_step = 0
         # The rollout's storage, on the host: numpy arrays, which the games' arrays are copied into
@@ -767,6 +780,27 @@ class Trainer:
         (never, without a `target_kl`)."""
         return self.config.target_kl is not None and approx_kl.item() > self.config.target_kl
 
+    def minibatch_step(self, batch: Batch, indices: torch.Tensor, clip_range: float) -> LossTerms:
+        """One step of Adam on the transitions `indices` of `batch`; the terms of the loss, detached.
+
+        A NaN or infinite gradient refuses its step and every later one of the update, without
+        waiting for the device: fused Adam takes no step while its `found_inf` is 1 (the hook that
+        `torch.amp.GradScaler` uses to skip steps), and the update reads the flag once, at its end.
+        Nothing here waits for the device, so a later part could replay the whole step from a CUDA
+        graph, as it replays `sample_actions`.
+        """
+        logits, values = self.model(batch.obs[indices])
+        policy = Categorical(logits=logits, validate_args=False)
+        terms = ppo_loss(policy.log_prob(batch.actions[indices]), batch.log_probs[indices],
+                         self.normalize_advantages(batch.advantages[indices]), values, batch.values[indices],
+                         batch.returns[indices], policy.entropy(), clip_range, self.config)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.compute_gradients(terms.loss)
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        self.optimizer.found_inf.logical_or_(~grad_norm.isfinite())
+        self.optimizer.step()
+        return type(terms)(*(term.detach() for term in terms))
+
     def update_policy(self, rollout: Rollout) -> dict[str, float]:
         """One PPO update on `rollout`, with the learning rate and clip range of `self.update`."""
         config = self.config
@@ -781,14 +815,9 @@ class Trainer:
             advantages, returns = compute_gae(rollout.rewards, rollout.values, rollout.next_values,
                                               rollout.terminated, rollout.truncated, config.gamma, config.gae_lambda)
         explained = explained_variance(rollout.values.flatten(), returns.flatten())
-        obs, actions, old_log_probs, old_values, advantages, returns = (
-            x.flatten(0, 1).to(self.device, non_blocking=True)
-            for x in (rollout.obs, rollout.actions, rollout.log_probs, rollout.values, advantages, returns))
-
-        # A NaN or infinite gradient refuses its step and every later one of the update, without
-        # waiting for the device: fused Adam takes no step while its `found_inf` is 1 (the hook that
-        # `torch.amp.GradScaler` uses to skip steps), and the update reads the flag once, at its end.
-        found_inf = self.optimizer.found_inf = torch.zeros((), device=self.device)
+        batch = Batch(*(x.flatten(0, 1).to(self.device, non_blocking=True)
+                        for x in (rollout.obs, rollout.actions, rollout.log_probs, rollout.values, advantages, returns)))
+        self.optimizer.found_inf.zero_()  # no non-finite gradient yet (see `minibatch_step`)
 
         # `update_epochs` passes over the batch, each in a new random order, one step of Adam per
         # minibatch. With `target_kl` set, the update ends after the first epoch whose last
@@ -799,18 +828,8 @@ class Trainer:
         for epoch in range(config.update_epochs):
             order = torch.randperm(config.batch_size, device=self.device)
             for start in range(0, config.batch_size, config.minibatch_size):
-                batch = order[start:start + config.minibatch_size]
-                logits, values = self.model(obs[batch])
-                policy = Categorical(logits=logits, validate_args=False)
-                terms = ppo_loss(policy.log_prob(actions[batch]), old_log_probs[batch],
-                                 self.normalize_advantages(advantages[batch]), values, old_values[batch],
-                                 returns[batch], policy.entropy(), clip_range, config)
-                self.optimizer.zero_grad(set_to_none=True)
-                self.compute_gradients(terms.loss)
-                grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
-                found_inf.logical_or_(~grad_norm.isfinite())
-                self.optimizer.step()
-                history.append(torch.stack([term.detach() for term in terms]))
+                terms = self.minibatch_step(batch, order[start:start + config.minibatch_size], clip_range)
+                history.append(torch.stack(list(terms)))
             if self.beyond_target_kl(terms.approx_kl):
                 stopped_early = True
                 break
@@ -820,7 +839,7 @@ class Trainer:
         means = torch.stack(history).mean(0)  # never empty: target_kl ends an update only after a whole epoch
         weights = nn.utils.get_total_norm(self.model.parameters())
         gradients_finite, weights_finite, *means = torch.cat(
-            [(found_inf == 0).view(1), weights.isfinite().view(1), means]).tolist()
+            [(self.optimizer.found_inf == 0).view(1), weights.isfinite().view(1), means]).tolist()
         if not (gradients_finite and weights_finite):
             what = "the loss or its gradient" if not gradients_finite else "the weights"
             raise NonFiniteError(f"{what} became NaN or infinite in update {self.update + 1}; "

@@ -1,5 +1,6 @@
 """One copy of the algorithm in each PyTorch script: every class that defines the rollout
-(`collect_rollout`, `sample_actions`) or the update (`update_policy`), but Part 1's `Trainer`, wraps
+(`collect_rollout`, `sample_actions`) or the update (`update_policy`, and `ppo_atari.py`'s step of a
+minibatch, `minibatch_step`), but Part 1's `Trainer`, wraps
 Part 1's through `super()`, so that a fork's edit of Part 1 reaches every run, on every device.
 
 Read from the source, without running anything: the test fails for a second copy that a run on a
@@ -11,7 +12,7 @@ import pytest
 
 from conftest import ROOT
 
-METHODS = {"collect_rollout", "sample_actions", "update_policy"}
+METHODS = {"collect_rollout", "sample_actions", "update_policy", "minibatch_step"}
 
 
 def calls_its_super(method: ast.FunctionDef) -> bool:
