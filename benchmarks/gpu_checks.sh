@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, prepared to run in one go on a machine lent for a few minutes:
 #
-#   bash benchmarks/gpu_checks.sh pytorch     (at most 7.5 minutes: the limits of its steps)
+#   bash benchmarks/gpu_checks.sh pytorch     (at most 9 minutes: the limits of its steps)
 #   bash benchmarks/gpu_checks.sh jax         (at most 6 minutes)
 #
 # Two calls, since a lent machine runs one command for at most 10 minutes; `all` runs both.
 #
 # pytorch: ppo_atari.py's training speed on CUDA beside its workers alone, at 8 and 32 games
-#          (issue 41: training at least 0.7 of the workers, the rollout alone at least 0.8), then
+#          (issue 41: training at least 0.7 of the workers, the rollout alone at least 0.8), its
+#          update with each minibatch step replayed from a CUDA graph (`graph_update.py`), then
 #          every test that needs a GPU for the PyTorch scripts.
 # jax:     ppo_jax.py with 2,048 CartPole agents x 500k steps, the whole process against the
 #          compiled program (issue 42: at most 1.2 times), then ppo_jax.py's GPU tests.
@@ -39,9 +40,12 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit, log it
 if [ "$part" = pytorch ] || [ "$part" = all ]; then
     step throughput 270 python benchmarks/throughput.py --part train --device cuda --precision fp32 \
         --num-envs 8 32 --rounds 3 --json "$out/throughput-cuda-$gpu.json"
-    step torch-gpu-tests 180 python -m pytest -q -rs tests/test_ppo_atari_cuda.py \
+    step graph-update 60 python benchmarks/graph_update.py --num-envs 8 32 --updates 12 \
+        --json "$out/graph-update-$gpu.json"
+    step torch-gpu-tests 200 python -m pytest -q -rs tests/test_ppo_atari_cuda.py \
         tests/test_ppo_atari_cli.py::test_ctrl_c_on_the_gpu_saves_a_checkpoint_and_leaves_no_process \
-        tests/test_vpg_continuous_cli.py::test_trains_resumes_and_evaluates_on_the_gpu
+        tests/test_vpg_continuous_cli.py::test_trains_resumes_and_evaluates_on_the_gpu \
+        tests/test_benchmarks.py::test_a_graphed_update_is_the_update_on_the_gpu
 fi
 if [ "$part" = jax ] || [ "$part" = all ]; then
     step ppo-jax-overhead 240 python benchmarks/ppo_jax_speed.py --part overhead --seeds 2048 \

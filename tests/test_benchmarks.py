@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT
 
@@ -35,6 +36,42 @@ def test_throughput_benchmark_runs(tmp_path):
     # The host's side of a step, for both scripts and both layouts of the stored frames.
     assert [host["script"] for host in results["host"]] == [str(ROOT / "ppo_atari.py"), str(baseline)]
     assert all(host["channels_last_us_per_step"] > 0 and host["channels_first_us_per_step"] > 0 for host in results["host"])
+
+
+def graph_update(tmp_path, *args) -> dict:
+    """The run of `graph_update.py` with `args`, from its JSON."""
+    out = tmp_path / "graph-update.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "graph_update.py"), "--num-envs", "2", *args,
+                             "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "an update from the same weights left them apart by" in result.stdout
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["RunTrainer_seconds"] > 0 and run["GraphedUpdate_seconds"] > 0
+    return run
+
+
+def test_a_graphed_update_feeds_part_ones_step_the_update_s_own_tensors(tmp_path):
+    # Without a GPU nothing is captured, but the steps read the wrapper's fixed tensors: an update
+    # from the same weights as the update as it runs ends where it does, to rounding (Adam's
+    # learning rate as a float32 tensor). A batch or minibatch not copied in ended 1.8 and 1.5 apart.
+    run = graph_update(tmp_path, "--device", "cpu", "--updates", "3")
+    assert not run["captured"] and len(run["relative_weight_difference"]) == 3
+    assert max(run["relative_weight_difference"]) < 1e-4, run["relative_weight_difference"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_graphed_update_is_the_update_on_the_gpu(tmp_path):
+    run = graph_update(tmp_path, "--device", "cuda", "--updates", "6")
+    assert run["captured"]
+    assert max(run["relative_weight_difference"]) < 1e-3, run["relative_weight_difference"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_the_graphed_update_asks_for_a_gpu_in_one_line():
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "graph_update.py")], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(
+        "--device cuda needs a CUDA GPU, and torch finds none (--device cpu checks the copies alone)")
 
 
 def test_shared_cores_benchmark_times_steps_beside_a_neighbour(tmp_path):

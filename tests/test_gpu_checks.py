@@ -41,11 +41,12 @@ def test_every_test_it_names_exists():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the step would not fail")
 def test_a_failed_step_leaves_the_others_to_run(tmp_path):
-    # Without a GPU the throughput step fails at once; the tests after it still run (and skip).
+    # Without a GPU the two measuring steps fail at once; the tests after them still run (and skip).
     result = subprocess.run(["bash", str(SCRIPT), "pytorch"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={"PATH": f"{ROOT / '.no-such-dir'}:{sys.executable.rsplit('/', 1)[0]}:/usr/bin:/bin",
                                  "OUT": str(tmp_path)})
-    lines = result.stdout.strip().splitlines()[-2:]
-    assert lines[0].startswith("throughput: exit ") and not lines[0].startswith("throughput: exit 0 "), lines
-    assert lines[1].startswith("torch-gpu-tests: exit 0 "), result.stdout[-3000:]
-    assert {path.name for path in tmp_path.iterdir()} == {"throughput.log", "torch-gpu-tests.log"}
+    lines = result.stdout.strip().splitlines()[-3:]
+    for line, name in zip(lines, ["throughput", "graph-update"]):
+        assert line.startswith(f"{name}: exit ") and not line.startswith(f"{name}: exit 0 "), lines
+    assert lines[2].startswith("torch-gpu-tests: exit 0 "), result.stdout[-3000:]
+    assert {path.name for path in tmp_path.iterdir()} == {"throughput.log", "graph-update.log", "torch-gpu-tests.log"}
