@@ -49,12 +49,14 @@ def test_sampling_draws_what_a_categorical_draws():
         assert torch.equal(log_probs, policy.log_prob(actions)) and torch.equal(chosen_values, values)
 
 
-@pytest.mark.parametrize("kind", [ppo_atari.Trainer, ppo_atari.RunTrainer])
-def test_a_step_of_8_games_makes_at_most_30_aten_calls_and_crosses_the_device_boundary_once_each_way(kind):
+@pytest.mark.parametrize("kind, precision", [(ppo_atari.Trainer, "fp32"), (ppo_atari.RunTrainer, "fp32"),
+                                             (ppo_atari.RunTrainer, "bf16")])
+def test_a_step_of_8_games_makes_at_most_30_aten_calls_and_crosses_the_device_boundary_once_each_way(kind, precision):
     # Each ATen call is a kernel launch or more on a GPU, a few microseconds of the host's time each.
-    # `benchmarks/throughput.py` writes the same count into its JSON, beside the speed.
-    config = ppo_atari.RunConfig(num_envs=8, num_steps=32, num_minibatches=4, total_timesteps=8 * 32 * 4,
-                                 precision="fp32")
+    # `benchmarks/throughput.py` writes the same count into its JSON, beside the speed. (Part 1's
+    # `Trainer` has no precision of its own: its network is float32.)
+    config = ppo_atari.RunConfig(num_envs=8, num_steps=128, num_minibatches=4, total_timesteps=8 * 128 * 4,
+                                 precision=precision)
     trainer = kind(config, RandomFrames(8, 0), torch.device("cpu"))
     trainer.collect_rollout()  # the first resets the games
     with RecordedCalls() as recorded:
@@ -65,7 +67,8 @@ def test_a_step_of_8_games_makes_at_most_30_aten_calls_and_crosses_the_device_bo
     # back in one copy (`copy_`). Once per rollout, the values after it and those of the truncated
     # games' final frames go there and back (`to`, `cpu` and numpy's view of the result, twice).
     assert calls["aten.to.dtype_layout"] <= config.num_steps + 6, calls
-    assert calls["aten.copy_.default"] == config.num_steps, calls
+    # In bfloat16, the torso's 4 weights and 4 biases are cast once a rollout (`cast_torso`).
+    assert calls["aten.copy_.default"] == config.num_steps + (8 if precision == "bf16" else 0), calls
     assert "aten._to_copy.default" not in calls and "aten._local_scalar_dense.default" not in calls, calls
 
 
@@ -87,6 +90,44 @@ def test_on_a_cpu_the_frames_are_stored_in_the_networks_layout_as_they_are_playe
     assert rollout.obs.flatten(0, 1).is_contiguous(memory_format=torch.channels_last)
     for t in range(1, config.num_steps):
         assert (rollout.obs[t].numpy() == played[t - 1]).all(), f"step {t}"
+
+
+def test_a_bfloat16_rollout_on_a_cpu_casts_the_weights_once_and_computes_what_autocast_computes():
+    # Two rollouts with an update between them, with the torso's weights cast once a rollout and with
+    # autocast casting them at every step: the same actions, log-probabilities and values, bit for
+    # bit; and after each rollout the model holds its own float32 torso again.
+    class CastAtEveryStep(ppo_atari.FastSamplingTrainer):
+        def cast_torso(self, torso):
+            return torso
+
+    played = []
+    for kind in (ppo_atari.FastSamplingTrainer, CastAtEveryStep):
+        torch.manual_seed(0)
+        trainer = kind(ppo_atari.Config(num_envs=4, num_steps=16, num_minibatches=2, total_timesteps=4 * 16 * 4),
+                       RandomFrames(4, 0), torch.device("cpu"), bf16=True)
+        torso = trainer.model.torso
+        rollouts = []
+        for _ in range(2):
+            rollout = trainer.collect_rollout()
+            rollouts.append([tensor.clone() for tensor in rollout])
+            assert trainer.model.torso is torso and all(p.dtype == torch.float32 for p in trainer.model.parameters())
+            trainer.update_policy(rollout)
+        played.append(rollouts)
+    assert all(torch.equal(ours, theirs) for mine, other in zip(*played) for ours, theirs in zip(mine, other))
+    # A rollout cut short (a stop requested, a worker that failed) gives the torso back too.
+    envs = RandomFrames(4, 0)
+    trainer = ppo_atari.FastSamplingTrainer(ppo_atari.Config(num_envs=4, num_steps=16), envs, torch.device("cpu"),
+                                            bf16=True)
+    torso = trainer.model.torso
+
+    def stopped(actions):
+        assert trainer.model.torso is trainer.bf16_torso  # the rollout samples with the cast copy
+        raise ppo_atari.Stopped(2)
+
+    envs.step = stopped
+    with pytest.raises(ppo_atari.Stopped):
+        trainer.collect_rollout()
+    assert trainer.model.torso is torso and trainer.model.state_dict()["torso.0.weight"].dtype == torch.float32
 
 
 def test_the_update_reads_the_device_once_at_its_end():
