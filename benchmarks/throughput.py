@@ -13,7 +13,9 @@
     its methods, as in a run. Beside the speed, the JSON holds the ATen calls a step of the rollout
     makes (counted with `TorchDispatchMode` in a rollout of its own, untimed). `--baseline FILE`
     measures another copy of `ppo_atari.py` (an earlier commit's, say) in the same run, the two
-    taking turns, so that a change is measured side by side on one machine.
+    taking turns, so that a change is measured side by side on one machine; `--graphed-update`
+    measures, in the same turns, this script's trainer with each minibatch step of the update
+    replayed from a CUDA graph (`graph_update.py`'s `GraphedUpdate`).
 
 (c) The host's side of a step: the microseconds the main process spends on a step of the rollout
     with the games and the network's call taken out (fixed frames, and the network's outputs made
@@ -24,6 +26,7 @@
     python benchmarks/throughput.py                   # both parts, Breakout, 8 and 32 games
     python benchmarks/throughput.py --part train --device cuda --precision fp32 --num-envs 8 32 --rounds 3
     python benchmarks/throughput.py --part host --num-envs 8 32
+    python benchmarks/throughput.py --part train --device cuda --precision fp32 --graphed-update
     git show 30d4d64:ppo_atari.py > /tmp/before.py
     python benchmarks/throughput.py --part train --precision auto --rounds 3 --baseline /tmp/before.py
 
@@ -192,16 +195,17 @@ def host_microseconds_per_step(script, num_envs: int, channels_last: bool, rollo
 
 
 def train_throughput(script, env_id: str, num_envs: int, num_workers: int, device: torch.device, precision: str,
-                     iterations: int, warmup: int, cuda_graph: bool = True) -> dict:
-    """Agent steps per second of the trainer a run uses (Part 3's `RunTrainer` of `script`), and the
-    time of each iteration split into its phases, as a run times them (`RunWorkers` and `RunTrainer`):
-    waiting for the games (the workers' `step`), sampling (`collect_rollout`, of which the rest is
-    inference and storing the rollout) and the update (`update_policy`)."""
+                     iterations: int, warmup: int, cuda_graph: bool = True, trainer_class=None) -> dict:
+    """Agent steps per second of the trainer a run uses (Part 3's `RunTrainer` of `script`, or
+    `trainer_class`), and the time of each iteration split into its phases, as a run times them
+    (`RunWorkers` and `RunTrainer`): waiting for the games (the workers' `step`), sampling
+    (`collect_rollout`, of which the rest is inference and storing the rollout) and the update
+    (`update_policy`)."""
     config = script.RunConfig(env=env_id, num_envs=num_envs, precision=precision)
     torch.manual_seed(1)
     with script.RunWorkers(env_id, num_envs, num_workers, seed=1,
                            game_options=script.game_options(config)) as envs:
-        trainer = script.RunTrainer(config, envs, device)
+        trainer = (trainer_class or script.RunTrainer)(config, envs, device)
         trainer.cuda_graph = cuda_graph
         per_iteration, splits = [], []
         for iteration in range(warmup + iterations):
@@ -217,7 +221,7 @@ def train_throughput(script, env_id: str, num_envs: int, num_workers: int, devic
                 splits.append({"env": spent["env"], "inference": spent["sampling"] - spent["env"],
                                "update": spent["update"]})
     median_seconds = statistics.median(per_iteration)
-    return {"script": getattr(script, "__file__", "ppo_atari.py"), "device": str(device),
+    return {"script": getattr(script, "__file__", "ppo_atari.py"), "trainer": type(trainer).__name__, "device": str(device),
             "precision": "bf16" if trainer.model.bf16 else "fp32", "num_envs": num_envs,
             "num_workers": num_workers, "cuda_graph": cuda_graph and device.type == "cuda",
             "sps": config.batch_size / median_seconds, "seconds_per_iteration": median_seconds,
@@ -241,6 +245,8 @@ def main() -> None:
                         help="training runs of each kind, taking turns with each other and with the workers alone; "
                              "the medians are compared")
     parser.add_argument("--no-cuda-graph", action="store_true", help="choose actions on CUDA without the CUDA graph")
+    parser.add_argument("--graphed-update", action="store_true",
+                        help="also train with each minibatch step replayed from a CUDA graph (graph_update.py), in turns")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     for name, least in [("num_envs", 1), ("num_workers", 0), ("steps", 1), ("repeats", 1), ("iterations", 1),
@@ -271,6 +277,11 @@ def main() -> None:
             device = ppo_atari.choose_device(args.device)
             precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
             scripts = {"this": ppo_atari, **({"baseline": load_script(args.baseline)} if args.baseline else {})}
+            trainers = {"this": None, "baseline": None}
+            if args.graphed_update:
+                from graph_update import GraphedUpdate  # noqa: E402  (beside this file)
+
+                scripts["this, graphed update"], trainers["this, graphed update"] = ppo_atari, GraphedUpdate
             print(f"(b) training, {env_id}, {num_envs} games x 128 steps, {num_workers} workers, {device}"
                   f"{', no CUDA graph' if args.no_cuda_graph else ''}, median of {args.iterations} iterations"
                   f"{f', the middle run of {args.rounds} rounds' if args.rounds > 1 else ''}"
@@ -282,7 +293,8 @@ def main() -> None:
                     alone.append(workers_alone(env_id, num_envs, num_workers, args.steps))
                     for name, script in scripts.items():
                         runs[name].append(train_throughput(script, env_id, num_envs, num_workers, device, precision,
-                                                           args.iterations, args.warmup, not args.no_cuda_graph))
+                                                           args.iterations, args.warmup, not args.no_cuda_graph,
+                                                           trainers[name]))
                 alone_sps = statistics.median(alone)
                 print(f"    workers alone, random actions: {alone_sps:6,.0f} SPS")
                 for name, script in scripts.items():

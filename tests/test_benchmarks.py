@@ -18,14 +18,17 @@ def test_throughput_benchmark_runs(tmp_path):
     baseline.write_text((ROOT / "ppo_atari.py").read_text())
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--steps", "30",
                              "--repeats", "1", "--iterations", "1", "--warmup", "0", "--precision", "fp32",
-                             "--num-envs", "4", "--baseline", str(baseline), "--json", str(out)],
+                             "--num-envs", "4", "--baseline", str(baseline), "--graphed-update", "--json", str(out)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     results = json.loads(out.read_text())
     (env,) = results["env"]
     assert env["workers_sps"] > 0 and env["vector_env_sps"] > 0
-    # This script and the baseline, each beside the workers alone, measured once in the same run.
-    assert [run["script"] for run in results["train"]] == [str(ROOT / "ppo_atari.py"), str(baseline)]
+    # This script, the baseline and this script with its update graphed (not captured without a
+    # GPU), each beside the workers alone, measured once in the same run.
+    assert [(run["script"], run["trainer"]) for run in results["train"]] == [
+        (str(ROOT / "ppo_atari.py"), "RunTrainer"), (str(baseline), "RunTrainer"),
+        (str(ROOT / "ppo_atari.py"), "GraphedUpdate")]
     assert len({run["workers_alone_sps"] for run in results["train"]}) == 1
     for run in results["train"]:
         assert run["precision"] == "fp32" and run["num_envs"] == 4 and run["sps"] > 0 and run["workers_alone_sps"] > 0
