@@ -55,18 +55,20 @@ def graph_update(tmp_path, *args) -> dict:
 
 def test_a_graphed_update_feeds_part_ones_step_the_update_s_own_tensors(tmp_path):
     # Without a GPU nothing is captured, but the steps read the wrapper's fixed tensors: an update
-    # from the same weights as the update as it runs ends where it does, to rounding (Adam's
-    # learning rate as a float32 tensor). A batch or minibatch not copied in ended 1.8 and 1.5 apart.
+    # from the same weights as the update as it runs ends where it does, but for rounding (Adam's
+    # learning rate as a float32 tensor), about 1e-6 of how far the update moved the weights, once in
+    # 24 updates 5e-4 (a sample at the edge of the clip). A batch or a minibatch left uncopied ended
+    # 0.8, and 0.5 to 1.6, of it apart.
     run = graph_update(tmp_path, "--device", "cpu", "--updates", "3")
     assert not run["captured"] and len(run["relative_weight_difference"]) == 3
-    assert max(run["relative_weight_difference"]) < 1e-4, run["relative_weight_difference"]
+    assert max(run["relative_weight_difference"]) < 0.05, run["relative_weight_difference"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_graphed_update_is_the_update_on_the_gpu(tmp_path):
     run = graph_update(tmp_path, "--device", "cuda", "--updates", "6")
     assert run["captured"]
-    assert max(run["relative_weight_difference"]) < 1e-3, run["relative_weight_difference"]
+    assert max(run["relative_weight_difference"]) < 0.05, run["relative_weight_difference"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
