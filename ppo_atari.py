@@ -1220,9 +1220,9 @@ class FastSamplingTrainer(Trainer):
     def collect_rollout(self) -> Rollout:
         threads, torso = torch.get_num_threads(), self.model.torso
         torch.set_num_threads(1)
-        if self.bf16 and self.device.type == "cpu":
-            self.model.torso = self.cast_torso(torso)
         try:
+            if self.bf16 and self.device.type == "cpu":
+                self.model.torso = self.cast_torso(torso)
             return super().collect_rollout()
         finally:
             self.model.torso = torso
@@ -1233,9 +1233,10 @@ class FastSamplingTrainer(Trainer):
 
         Autocast casts the float32 weights again at every step: 8 of a step's 37 ATen calls. Cast
         once a rollout, choosing actions for 8 games took 0.178 s per 1,024 steps instead of 0.222,
-        and training ran at 1,012 steps/s instead of 971, on 2 cores of an AMD EPYC (`benchmarks/
-        throughput.py --precision bf16 --baseline`, in `benchmarks/README.md`). The weights are the
-        same numbers, and autocast leaves them as they are: the rollout computes what it did, bit for bit.
+        and training ran at 1,012 steps/s instead of 971, on 2 cores of an AMD EPYC
+        (`benchmarks/throughput.py --precision bf16 --baseline`; `benchmarks/README.md` has the
+        runs). The weights are the same numbers, and autocast leaves them as they are: the rollout
+        computes what it did, bit for bit.
         """
         if self.bf16_torso is None:
             self.bf16_torso = copy.deepcopy(torso).to(torch.bfloat16)
