@@ -1701,7 +1701,7 @@ class Progress:
     def show(self, step: int, final: bool = False) -> None:
         now = time.perf_counter()
         next_show, self.last_show = now + (now - self.last_show), now
-        if not (self.interactive or final or next_show - self.last_print > 10) or (step == self.printed and not self.interactive):
+        if not self.interactive and (step == self.printed or not (final or next_show - self.last_print > 10)):
             return  # in a log, a step's line is written once: the final one may be written already
         self.last_print, self.printed = now, step
         sps = (step - self.start_step) * self.agents / max(now - self.started, 1e-9)
@@ -1994,12 +1994,12 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
     `--capture-video`) and looks for a stop request. Chunks are sized by time, so that the progress
     line moves and Ctrl-C is answered within `CHUNK_SECONDS` or so, whatever an update costs (on a
     2-core CPU a MinAtar update takes a second, a CartPole update 4 ms): the first is one update,
-    each next one as many as fit in `CHUNK_SECONDS` at the fastest speed a chunk has shown. (A chunk is timed from
-    its dispatch to the moment the main thread learns it is done, which comes later if the main thread was kept
-    waiting meanwhile, by the logging thread writing a checkpoint, say. Sized by the last chunk alone, on an H100 with
-    2,048 agents, the chunks after a 1-update chunk that waited for a checkpoint had 2, 4 and 7 updates where 50
-    fit.) One program, compiled
-    for `length` updates, serves them all: a shorter chunk skips the rest of its scan (see
+    each next one as many as fit in `CHUNK_SECONDS` at the fastest speed a chunk has shown. (A chunk
+    is timed from its dispatch to the moment the main thread learns it is done, which comes later if
+    the main thread was kept waiting meanwhile, by the logging thread writing a checkpoint, say.
+    Sized by the last chunk alone, on an H100 with 2,048 agents, the chunks after a 1-update chunk
+    that waited for a checkpoint had 2, 4 and 7 updates where 50 fit.) One program, compiled for
+    `length` updates, serves them all: a shorter chunk skips the rest of its scan (see
     `train_chunk`). (Not `jax.debug.callback` after every update: JAX's persistent compilation cache
     refuses a program with a host callback.)
     """

@@ -1643,7 +1643,7 @@ class Progress:
 
     def show(self, step: int, final: bool = False) -> None:
         now = time.perf_counter()
-        if not (self.interactive or final or now - self.last_print >= 10.0) or (step == self.printed and not self.interactive):
+        if not self.interactive and (step == self.printed or not (final or now - self.last_print >= 10.0)):
             return  # into a file, a step's line is written once: the final one may be written already
         self.last_print, self.printed, sps = now, step, self.steps_per_second(step)
         left = format_duration((self.total - step) / sps if sps > 0 else math.inf)

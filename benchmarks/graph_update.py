@@ -36,12 +36,12 @@ import ppo_atari  # noqa: E402  (the script is the thing measured)
 class GraphedUpdate(ppo_atari.RunTrainer):
     """`RunTrainer` whose `minibatch_step` is Part 1's, replayed from a CUDA graph once captured.
 
-    A graph reads and writes fixed memory, so the step is run on fixed tensors: the batch, copied
-    in when an update brings a new one, and the minibatch's indices, the clip range and the learning
-    rate, copied in at every step (Adam takes its learning rate as a tensor, and is made
-    capturable). The first `WARMUP` steps run as they are, on a side stream, so that cuDNN chooses
-    its algorithms and Adam makes its state before the capture; the outputs of a replay are valid
-    until the next one, which Part 1's update allows (it stacks them at once).
+    A graph reads and writes fixed memory, so the step is run on fixed tensors (`fixed_step`): the
+    batch, the clip range and the learning rate, copied in once an update, and the minibatch's
+    indices, at every step (Adam takes its learning rate as a tensor, and is made capturable). The
+    first `WARMUP` steps run as they are, on a side stream, so that cuDNN chooses its algorithms and
+    Adam makes its state before the capture; the outputs of a replay are valid until the next one,
+    which Part 1's update allows (it stacks them at once).
     """
 
     WARMUP = 3
@@ -54,26 +54,11 @@ class GraphedUpdate(ppo_atari.RunTrainer):
             group["capturable"] = self.capture
 
     def minibatch_step(self, batch, indices, clip_range):
-        if self.fixed is None:
-            scalar = torch.zeros((), device=self.device)
-            self.fixed = dict(batch=ppo_atari.Batch(*(x.clone() for x in batch)), indices=indices.clone(),
-                              clip_range=scalar.clone(), learning_rate=scalar.clone(), source=batch)
-        fixed = self.fixed
-        if batch is not fixed["source"]:  # a new update's batch
-            for target, source in zip(fixed["batch"], batch):
-                target.copy_(source)
-            fixed["source"] = batch
-        fixed["indices"].copy_(indices)
-        fixed["clip_range"].fill_(clip_range)
-        for group in self.optimizer.param_groups:
-            if group["lr"] is not fixed["learning_rate"]:  # Part 1 sets a number at each update
-                fixed["learning_rate"].fill_(group["lr"])
-                group["lr"] = fixed["learning_rate"]
-        step = (fixed["batch"], fixed["indices"], fixed["clip_range"])
-        if self.graph is None and (self.steps < self.WARMUP or not self.capture):
+        step = self.fixed_step(batch, indices, clip_range)
+        if not self.capture:  # no GPU: Part 1's step on the fixed tensors, as before a capture
+            return super().minibatch_step(*step)
+        if self.graph is None and self.steps < self.WARMUP:
             self.steps += 1
-            if not self.capture:
-                return super().minibatch_step(*step)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -87,6 +72,26 @@ class GraphedUpdate(ppo_atari.RunTrainer):
                 self.outputs = super().minibatch_step(*step)
         self.graph.replay()  # a capture records the step without running it: the first replay runs it
         return self.outputs
+
+    def fixed_step(self, batch, indices, clip_range) -> tuple:
+        """The step's arguments in the fixed tensors: the batch, clip range and learning rate copied in once an
+        update (Part 1 sets the learning rate, a number, before its first step), the minibatch at every step."""
+        if self.fixed is None:
+            scalar = torch.zeros((), device=self.device)
+            self.fixed = dict(batch=ppo_atari.Batch(*(torch.empty_like(x) for x in batch)),
+                              indices=torch.empty_like(indices), clip_range=scalar.clone(),
+                              learning_rate=scalar.clone(), source=None)
+        fixed = self.fixed
+        if batch is not fixed["source"]:  # a new update
+            for target, source in zip(fixed["batch"], batch):
+                target.copy_(source)
+            fixed["clip_range"].fill_(clip_range)
+            for group in self.optimizer.param_groups:
+                fixed["learning_rate"].fill_(group["lr"])
+                group["lr"] = fixed["learning_rate"]
+            fixed["source"] = batch
+        fixed["indices"].copy_(indices)
+        return fixed["batch"], fixed["indices"], fixed["clip_range"]
 
 
 class PlayedGames:
@@ -114,9 +119,9 @@ def apart(first: ppo_atari.Trainer, second: ppo_atari.Trainer, start: list[torch
     flip it.)"""
     with torch.no_grad():
         ours, theirs = list(first.model.parameters()), list(second.model.parameters())
-        apart = torch.cat([(b - a).flatten() for a, b in zip(ours, theirs)]).norm()
+        gap = torch.cat([(b - a).flatten() for a, b in zip(ours, theirs)]).norm()
         moved = torch.cat([(a - s).flatten() for a, s in zip(ours, start)]).norm()
-        return float(apart / moved)
+        return float(gap / moved)
 
 
 def copy_state(source: ppo_atari.Trainer, target: ppo_atari.Trainer) -> None:

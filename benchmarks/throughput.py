@@ -262,6 +262,13 @@ def main() -> None:
         parser.error(str(error))
     results = {"cpu_count": cpu_count(), "torch": torch.__version__, "env_id": env_id, "env": [], "train": [],
                "host": []}
+    scripts = {"this": ppo_atari, **({"baseline": load_script(args.baseline)} if args.baseline else {})}
+    # What trains, by name: a script, and its `RunTrainer` or another trainer class.
+    kinds = {name: (name, None) for name in scripts}
+    if args.graphed_update:
+        from graph_update import GraphedUpdate  # noqa: E402  (beside this file)
+
+        kinds["this, graphed update"] = ("this", GraphedUpdate)
     for num_envs in args.num_envs:
         num_workers = args.num_workers or min(num_envs, cpu_count())
         if args.part in ("env", "all"):
@@ -276,33 +283,28 @@ def main() -> None:
         if args.part in ("train", "all"):
             device = ppo_atari.choose_device(args.device)
             precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
-            scripts = {"this": ppo_atari, **({"baseline": load_script(args.baseline)} if args.baseline else {})}
-            trainers = {"this": None, "baseline": None}
-            if args.graphed_update:
-                from graph_update import GraphedUpdate  # noqa: E402  (beside this file)
-
-                scripts["this, graphed update"], trainers["this, graphed update"] = ppo_atari, GraphedUpdate
             print(f"(b) training, {env_id}, {num_envs} games x 128 steps, {num_workers} workers, {device}"
                   f"{', no CUDA graph' if args.no_cuda_graph else ''}, median of {args.iterations} iterations"
                   f"{f', the middle run of {args.rounds} rounds' if args.rounds > 1 else ''}"
                   f"{' (the faster of the middle two: give an odd --rounds for a median)' if args.rounds % 2 == 0 else ''}")
             for precision in precisions:
                 # The kinds take turns, so that a noisy neighbour on a shared machine hits them alike.
-                alone, runs = [], {name: [] for name in scripts}
+                alone, runs = [], {name: [] for name in kinds}
                 for _ in range(args.rounds):
                     alone.append(workers_alone(env_id, num_envs, num_workers, args.steps))
-                    for name, script in scripts.items():
-                        runs[name].append(train_throughput(script, env_id, num_envs, num_workers, device, precision,
-                                                           args.iterations, args.warmup, not args.no_cuda_graph,
-                                                           trainers[name]))
+                    for name, (script, trainer_class) in kinds.items():
+                        runs[name].append(train_throughput(scripts[script], env_id, num_envs, num_workers, device,
+                                                           precision, args.iterations, args.warmup,
+                                                           not args.no_cuda_graph, trainer_class))
                 alone_sps = statistics.median(alone)
                 print(f"    workers alone, random actions: {alone_sps:6,.0f} SPS")
-                for name, script in scripts.items():
+                # A script's rollout is its `RunTrainer`'s whatever the trainer: counted once a script.
+                aten_calls = {name: aten_calls_per_step(script, env_id, num_envs, num_workers, device, precision)
+                              for name, script in scripts.items()}
+                for name, (script, _) in kinds.items():
                     run = sorted(runs[name], key=lambda run: run["sps"])[len(runs[name]) // 2]
                     run.update(workers_alone_sps=alone_sps, of_workers_alone=run["sps"] / alone_sps,
-                               rounds_sps=[each["sps"] for each in runs[name]],
-                               aten_calls_per_step=aten_calls_per_step(script, env_id, num_envs, num_workers, device,
-                                                                       precision))
+                               rounds_sps=[each["sps"] for each in runs[name]], aten_calls_per_step=aten_calls[script])
                     results["train"].append(run)
                     rounds = f" (each round: {', '.join(f'{sps:,.0f}' for sps in run['rounds_sps'])})" if args.rounds > 1 else ""
                     print(f"    {name}, {run['precision']}: {run['sps']:6,.0f} SPS{rounds} "
@@ -312,7 +314,6 @@ def main() -> None:
                           f" = waiting for games {run['env_seconds']:.3f} + inference {run['inference_seconds']:.3f}"
                           f" + update {run['update_seconds']:.3f}")
         if args.part in ("host", "all"):
-            scripts = {"this": ppo_atari, **({"baseline": load_script(args.baseline)} if args.baseline else {})}
             print(f"(c) the host's side of a step, {num_envs} games: the rollout with the games and the network's "
                   f"call taken out, on the CPU, one thread, the fastest of 5 rollouts")
             threads = torch.get_num_threads()

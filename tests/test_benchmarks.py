@@ -58,7 +58,7 @@ def test_a_graphed_update_feeds_part_ones_step_the_update_s_own_tensors(tmp_path
     # from the same weights as the update as it runs ends where it does, but for rounding (Adam's
     # learning rate as a float32 tensor), about 1e-6 of how far the update moved the weights, once in
     # 24 updates 5e-4 (a sample at the edge of the clip). A batch or a minibatch left uncopied ended
-    # 0.8, and 0.5 to 1.6, of it apart.
+    # 0.8, and 0.5 to 1.6, of it apart, when the fixed tensors began as copies of the first ones.
     run = graph_update(tmp_path, "--device", "cpu", "--updates", "3")
     assert not run["captured"] and len(run["relative_weight_difference"]) == 3
     assert max(run["relative_weight_difference"]) < 0.05, run["relative_weight_difference"]
