@@ -1,10 +1,13 @@
 """The benchmark scripts still run, and refuse bad input. They measure speed; these tests only check
 they produce numbers."""
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,3 +160,41 @@ def test_the_speed_benchmarks_refuse_bad_input_in_one_line(script, args, message
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"{script}: error: ") and message in last, result.stderr
+
+
+def busy_loops() -> list[str]:
+    """The processes of `suite_time.sh --busy` that run now, read from /proc."""
+    running = []
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):  # a process that ended while /proc was read
+            if b"a busy loop of suite_time.sh" in path.read_bytes():
+                running.append(path.parent.name)
+    return running
+
+
+def test_suite_time_runs_the_tests_as_a_cpu_with_avx2_alone_beside_busy_loops(tmp_path):
+    # `suite_time.sh --avx2 --busy 1` runs pytest on what it is given; the test it runs here looks
+    # from inside: PyTorch held to AVX2, `--precision auto` in float32, XLA told AVX2, and one busy
+    # loop running beside it (and none left once the script ends).
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(f"""
+import os, sys, torch
+sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
+import ppo_atari
+from test_benchmarks import busy_loops
+
+def test_as_avx2():
+    assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+    assert not ppo_atari.cpu_has_fast_bf16() and not ppo_atari.use_bf16("auto", torch.device("cpu"))
+    assert "--xla_cpu_max_isa=AVX2" in os.environ["XLA_FLAGS"]
+    assert len(busy_loops()) == 1
+""")
+    result = subprocess.run(["bash", str(ROOT / "benchmarks" / "suite_time.sh"), "--avx2", "--busy", "1", "-q",
+                             "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(probe)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed" in result.stdout and "real" in result.stderr
+    deadline = time.monotonic() + 10  # the loops are stopped as the script ends
+    while busy_loops():
+        assert time.monotonic() < deadline, "a busy loop outlived suite_time.sh"
+        time.sleep(0.1)
