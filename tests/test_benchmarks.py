@@ -175,7 +175,9 @@ def busy_loops() -> list[str]:
 def test_suite_time_runs_the_tests_as_a_cpu_with_avx2_alone_beside_busy_loops(tmp_path):
     # `suite_time.sh --avx2 --busy 1` runs pytest on what it is given; the test it runs here looks
     # from inside: PyTorch held to AVX2, `--precision auto` in float32, XLA told AVX2, and one busy
-    # loop running beside it (and none left once the script ends).
+    # loop more than before running beside it (none left once the script ends). Counted against
+    # those already there: the suite itself may run under `suite_time.sh --busy`.
+    before = len(busy_loops())
     probe = tmp_path / "test_probe.py"
     probe.write_text(f"""
 import os, sys, torch
@@ -195,6 +197,6 @@ def test_as_avx2():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 passed" in result.stdout and "real" in result.stderr
     deadline = time.monotonic() + 10  # the loops are stopped as the script ends
-    while busy_loops():
+    while len(busy_loops()) > before:
         assert time.monotonic() < deadline, "a busy loop outlived suite_time.sh"
         time.sleep(0.1)
