@@ -42,6 +42,10 @@ EOF
             export XLA_FLAGS="--xla_cpu_max_isa=AVX2${XLA_FLAGS:+ $XLA_FLAGS}"
             shift ;;
         --busy)
+            if ! [[ ${2:-} =~ ^[0-9]+$ ]]; then
+                echo "suite_time.sh: error: --busy needs a number of busy loops, not '${2:-}'" >&2
+                exit 2
+            fi
             busy=$2
             shift 2 ;;
         *)

@@ -189,7 +189,7 @@ def test_as_avx2():
     assert torch.backends.cpu.get_cpu_capability() == "AVX2"
     assert not ppo_atari.cpu_has_fast_bf16() and not ppo_atari.use_bf16("auto", torch.device("cpu"))
     assert "--xla_cpu_max_isa=AVX2" in os.environ["XLA_FLAGS"]
-    assert len(busy_loops()) == 1
+    assert len(busy_loops()) == {before} + 1
 """)
     result = subprocess.run(["bash", str(ROOT / "benchmarks" / "suite_time.sh"), "--avx2", "--busy", "1", "-q",
                              "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(probe)],
@@ -200,3 +200,10 @@ def test_as_avx2():
     while len(busy_loops()) > before:
         assert time.monotonic() < deadline, "a busy loop outlived suite_time.sh"
         time.sleep(0.1)
+
+
+def test_suite_time_refuses_a_busy_count_that_is_not_a_number():
+    result = subprocess.run(["bash", str(ROOT / "benchmarks" / "suite_time.sh"), "--busy", "two"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "suite_time.sh: error: --busy needs a number of busy loops, not 'two'")
