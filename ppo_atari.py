@@ -787,7 +787,7 @@ class Trainer:
         A NaN or infinite gradient refuses its step and every later one of the update, without
         waiting for the device: fused Adam takes no step while its `found_inf` is 1 (the hook that
         `torch.amp.GradScaler` uses to skip steps), and the update reads the flag once, at its end.
-        Nothing here waits for the device, so a later part could replay the whole step from a CUDA
+        Nothing here waits for the device, so on CUDA Part 2 replays the whole step from a CUDA
         graph, as it replays `sample_actions`.
         """
         logits, values = self.model(batch.obs[indices])
@@ -859,9 +859,9 @@ class Trainer:
     # checkpoints) is Part 3's `after_update`; a loop of a student's own can be as short as
     # `Trainer(config, envs, device).train(print)`. A real run also times the two calls of the loop
     # and runs on the machine's fastest settings, in Part 2's `FastSamplingTrainer` (which wraps
-    # `collect_rollout` and `sample_actions`, and overrides `build_model`, `host_array` and
-    # `frame_array`) and Part 3's `RunTrainer` (`collect_rollout` and `update_policy`), by name: a
-    # fork that renames them renames them there too.
+    # `collect_rollout`, `sample_actions` and `minibatch_step`, and overrides `build_model`,
+    # `host_array` and `frame_array`) and Part 3's `RunTrainer` (`collect_rollout` and
+    # `update_policy`), by name: a fork that renames them renames them there too.
 
     def train(self, after_update: typing.Callable[[dict[str, float]], None] = lambda stats: None) -> None:
         """Update until `total_timesteps` agent steps are played, handing each update's statistics to `after_update`."""
@@ -1108,7 +1108,10 @@ class Workers:
 # * On CUDA, the rollout's host arrays are pinned (page-locked), so that the GPU's copy engine reads
 #   them by itself; cuDNN and cuBLAS may use TF32; and `sample_actions` is replayed from a CUDA
 #   graph: one launch for its few dozen small kernels, whose launches cost more than their work
-#   (0.12 ms a step for 8 games instead of 0.68 ms, on an H200).
+#   (0.12 ms a step for 8 games instead of 0.68 ms, on an H200). Each minibatch step of the update
+#   is replayed from another graph, for the same reason (an update of 8 games took 30 ms instead of
+#   89 ms on an H200, where training with the sampling graph alone ran at 0.67 of the workers'
+#   speed alone at 8 games and 0.84 at 32).
 #
 # Double-buffered sampling, half of the games stepping while the network chooses for the other
 # half, was tried and measured slower on both kinds of machine: 1,047 steps/s against 1,307 in turns
@@ -1163,12 +1166,15 @@ class TunedActorCritic(ActorCritic):
 class FastSamplingTrainer(Trainer):
     """Part 1's `Trainer` with `TunedActorCritic` (its torso in bfloat16 if `bf16`), sampling on one
     thread, on a CPU its frames stored in the network's layout (and a bfloat16 torso's weights cast
-    once a rollout), and on CUDA from pinned memory and a CUDA graph (`cuda_graph`)."""
+    once a rollout), and on CUDA from pinned memory and a CUDA graph (`cuda_graph`), with each
+    minibatch step of the update replayed from another (`cuda_graph_update`)."""
 
     cuda_graph = True
+    cuda_graph_update = True
 
     def __init__(self, config: Config, envs, device: torch.device, bf16: bool = False):
         self.graph, self.bf16, self.bf16_torso = None, bf16, None
+        self.update_graph, self.update_outputs, self.fixed, self.eager_steps = None, None, None, 0
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
             torch.backends.cudnn.benchmark = True
@@ -1216,6 +1222,57 @@ class FastSamplingTrainer(Trainer):
         static_obs.copy_(obs)
         graph.replay()
         return outputs
+
+    def minibatch_step(self, batch: Batch, indices: torch.Tensor, clip_range: float) -> LossTerms:
+        """Part 1's `minibatch_step`; on CUDA (with `cuda_graph_update`) replayed from a CUDA graph.
+
+        A step launches a few hundred small kernels one by one (forward, loss, backward, clip,
+        Adam): on an NVIDIA H200 an update of 8 games' 1,024 steps, 16 minibatch steps, took 89 ms
+        so, and 30 ms with each step replayed from a graph (102 and 81 ms at 32 games;
+        `benchmarks/graph_update.py`). Part 1's step waits for nothing, so all of it is captured.
+        A graph reads and writes fixed memory, so the step runs on fixed tensors (`fixed_step`).
+        The first three steps run as they are, on a side stream, so that cuDNN picks its algorithms
+        and Adam makes its state before the capture. The outputs of a replay are valid until the
+        next one, which Part 1's update allows: it stacks them at once.
+        """
+        if not (self.cuda_graph_update and self.device.type == "cuda"):
+            return super().minibatch_step(batch, indices, clip_range)
+        step = self.fixed_step(batch, indices, clip_range)
+        if self.update_graph is None and self.eager_steps < 3:
+            self.eager_steps += 1
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                terms = super().minibatch_step(*step)
+            torch.cuda.current_stream().wait_stream(side)
+            return type(terms)(*(term.clone() for term in terms))
+        if self.update_graph is None:
+            self.update_graph = torch.cuda.CUDAGraph()
+            self.optimizer.zero_grad(set_to_none=True)  # the gradients are made in the graph's memory
+            with torch.cuda.graph(self.update_graph):
+                self.update_outputs = super().minibatch_step(*step)
+        self.update_graph.replay()  # a capture records the step without running it: the first replay runs it
+        return self.update_outputs
+
+    def fixed_step(self, batch: Batch, indices: torch.Tensor, clip_range: float) -> tuple:
+        """The step's arguments in the graph's fixed tensors: the batch, the clip range and the learning
+        rate copied in once an update (Part 1 sets the rate, a number, before its first step; Adam
+        reads it as a tensor, and is made capturable), the minibatch's indices at every step."""
+        if self.fixed is None:
+            scalar = torch.zeros((), device=self.device)
+            self.fixed = dict(batch=Batch(*(torch.empty_like(x) for x in batch)), indices=torch.empty_like(indices),
+                              clip_range=scalar.clone(), learning_rate=scalar.clone(), update=None)
+        fixed = self.fixed
+        if fixed["update"] != self.update:  # the first step of an update
+            for target, source in zip(fixed["batch"], batch):
+                target.copy_(source)
+            fixed["clip_range"].fill_(clip_range)
+            for group in self.optimizer.param_groups:
+                fixed["learning_rate"].fill_(group["lr"])
+                group.update(lr=fixed["learning_rate"], capturable=True)
+            fixed["update"] = self.update
+        fixed["indices"].copy_(indices)
+        return fixed["batch"], fixed["indices"], fixed["clip_range"]
 
     def collect_rollout(self) -> Rollout:
         threads, torso = torch.get_num_threads(), self.model.torso
@@ -2370,6 +2427,8 @@ class DataParallelRunTrainer(DataParallelTrainer, RunTrainer):
     timed the update; a diverged update is refused on every rank alike, since their gradients and
     weights are the same.
     """
+
+    cuda_graph_update = False  # a step's exchanges between the ranks are not captured
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@
 # Two calls, since a lent machine runs one command for at most 10 minutes; `all` runs both.
 #
 # pytorch: ppo_atari.py's training speed on CUDA beside its workers alone, at 8 and 32 games
-#          (issue 41: training at least 0.7 of the workers, the rollout alone at least 0.8), also
-#          with each minibatch step of the update replayed from a CUDA graph (`graph_update.py`),
-#          that update alone beside the update as it runs, then every test that needs a GPU for the
+#          (issue 41: training at least 0.7 of the workers, the rollout alone at least 0.8), and
+#          with the update's minibatch steps launched one by one (not replayed from a CUDA graph),
+#          the update alone both ways (`graph_update.py`), then every test that needs a GPU for the
 #          PyTorch scripts.
 # jax:     ppo_jax.py with 2,048 CartPole agents x 500k steps, the whole process against the
 #          compiled program (issue 42: at most 1.2 times), then ppo_jax.py's GPU tests.
@@ -40,7 +40,7 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit, log it
 
 if [ "$part" = pytorch ] || [ "$part" = all ]; then
     step throughput 270 python benchmarks/throughput.py --part train --device cuda --precision fp32 \
-        --num-envs 8 32 --rounds 3 --graphed-update --json "$out/throughput-cuda-$gpu.json"
+        --num-envs 8 32 --rounds 3 --eager-update --json "$out/throughput-cuda-$gpu.json"
     step graph-update 60 python benchmarks/graph_update.py --num-envs 8 32 --updates 12 \
         --json "$out/graph-update-$gpu.json"
     step torch-gpu-tests 200 python -m pytest -q -rs tests/test_ppo_atari_cuda.py \

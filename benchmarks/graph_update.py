@@ -1,21 +1,20 @@
-"""What replaying `ppo_atari.py`'s minibatch step from a CUDA graph would save, measured before the
-script does it.
+"""What replaying `ppo_atari.py`'s minibatch steps from a CUDA graph saves, and that it computes the
+update as it is computed without one.
 
-On an NVIDIA H200 an update of 8 games' 1,024 steps took 0.079 s (`throughput.py`), about 5 ms of
-the host's time for each of its 16 minibatch steps: a few hundred small kernels launched one by one
-(forward, loss, backward, clip, Adam). The host waits for none of them until the update's end
-(Part 1's `minibatch_step` reads nothing back), so the whole step can be captured once and replayed
-with one launch, as Part 2 replays `sample_actions`. This script measures that on a GPU before a
-later part of the script holds it: the update of the trainer a run uses (`RunTrainer`), and the same
-trainer with each minibatch step replayed from one graph (`GraphedUpdate`, here), in turns, on the
-same rollouts of Breakout, each update from the same weights, moments and shuffles; and how far
-apart each update leaves the weights, against how far it moved them.
+On CUDA, Part 2 of the script replays each minibatch step of the update (Part 1's `minibatch_step`:
+forward, loss, backward, clip, Adam, a few hundred small kernels) from one CUDA graph
+(`FastSamplingTrainer.cuda_graph_update`). This script measures the update of the trainer a run
+uses (`RunTrainer`) with its steps launched one by one ("eager") and replayed ("graphed"), in turns,
+on the same rollouts of Breakout, each update from the same weights, moments and shuffles; and how
+far apart each update leaves the weights, against how far it moved them.
 
     python benchmarks/graph_update.py --num-envs 8 32 --updates 12 --json graph-update.json
 
-With `--device cpu` nothing is captured: `GraphedUpdate` runs Part 1's step on its fixed tensors as
-it does before the capture, which checks the copies into them where there is no GPU (the tests do).
-Nothing here is asserted in a test but the agreement of the weights.
+On an NVIDIA H200 (2026-11-26): 88.8 ms an update of 8 games eager, 30.0 ms graphed; 102.0 and
+80.7 ms at 32 games (`benchmarks/results/graph-update-NVIDIA-H200.json`, measured when the graphed
+trainer lived here). With `--device cpu` nothing is captured: the "graphed" trainer runs Part 1's
+step eagerly on the graph's fixed tensors, which checks the copies into them where there is no GPU
+(the tests do). Nothing here is asserted in a test but the agreement of the weights.
 """
 
 from __future__ import annotations
@@ -33,65 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ppo_atari  # noqa: E402  (the script is the thing measured)
 
 
-class GraphedUpdate(ppo_atari.RunTrainer):
-    """`RunTrainer` whose `minibatch_step` is Part 1's, replayed from a CUDA graph once captured.
-
-    A graph reads and writes fixed memory, so the step is run on fixed tensors (`fixed_step`): the
-    batch, the clip range and the learning rate, copied in once an update, and the minibatch's
-    indices, at every step (Adam takes its learning rate as a tensor, and is made capturable). The
-    first `WARMUP` steps run as they are, on a side stream, so that cuDNN chooses its algorithms and
-    Adam makes its state before the capture; the outputs of a replay are valid until the next one,
-    which Part 1's update allows (it stacks them at once).
-    """
-
-    WARMUP = 3
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.graph, self.fixed, self.outputs, self.steps = None, None, None, 0
-        self.capture = self.device.type == "cuda"
-        for group in self.optimizer.param_groups:
-            group["capturable"] = self.capture
+class FixedTensors(ppo_atari.RunTrainer):
+    """`RunTrainer` whose minibatch steps run Part 1's step on the fixed tensors of Part 2's graphed
+    update (`fixed_step`), eagerly: what a replay reads, checked where there is no GPU to capture."""
 
     def minibatch_step(self, batch, indices, clip_range):
-        step = self.fixed_step(batch, indices, clip_range)
-        if not self.capture:  # no GPU: Part 1's step on the fixed tensors, as before a capture
-            return super().minibatch_step(*step)
-        if self.graph is None and self.steps < self.WARMUP:
-            self.steps += 1
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                terms = super().minibatch_step(*step)
-            torch.cuda.current_stream().wait_stream(side)
-            return type(terms)(*(term.clone() for term in terms))
-        if self.graph is None:
-            self.graph = torch.cuda.CUDAGraph()
-            self.optimizer.zero_grad(set_to_none=True)  # the gradients made in the capture come from the graph's memory
-            with torch.cuda.graph(self.graph):
-                self.outputs = super().minibatch_step(*step)
-        self.graph.replay()  # a capture records the step without running it: the first replay runs it
-        return self.outputs
-
-    def fixed_step(self, batch, indices, clip_range) -> tuple:
-        """The step's arguments in the fixed tensors: the batch, clip range and learning rate copied in once an
-        update (Part 1 sets the learning rate, a number, before its first step), the minibatch at every step."""
-        if self.fixed is None:
-            scalar = torch.zeros((), device=self.device)
-            self.fixed = dict(batch=ppo_atari.Batch(*(torch.empty_like(x) for x in batch)),
-                              indices=torch.empty_like(indices), clip_range=scalar.clone(),
-                              learning_rate=scalar.clone(), source=None)
-        fixed = self.fixed
-        if batch is not fixed["source"]:  # a new update
-            for target, source in zip(fixed["batch"], batch):
-                target.copy_(source)
-            fixed["clip_range"].fill_(clip_range)
-            for group in self.optimizer.param_groups:
-                fixed["learning_rate"].fill_(group["lr"])
-                group["lr"] = fixed["learning_rate"]
-            fixed["source"] = batch
-        fixed["indices"].copy_(indices)
-        return fixed["batch"], fixed["indices"], fixed["clip_range"]
+        return ppo_atari.Trainer.minibatch_step(self, *self.fixed_step(batch, indices, clip_range))
 
 
 class PlayedGames:
@@ -138,14 +84,16 @@ def measure(env_id: str, num_envs: int, device: torch.device, updates: int) -> d
     rollouts, games = played_rollouts(env_id, num_envs, device)
     config = ppo_atari.RunConfig(env=env_id, num_envs=num_envs, precision="fp32")
     trainers = {}
-    for kind in (ppo_atari.RunTrainer, GraphedUpdate):
+    for name, kind in (("eager", ppo_atari.RunTrainer), ("graphed", FixedTensors if device.type == "cpu"
+                                                          else ppo_atari.RunTrainer)):
         torch.manual_seed(1)  # the same first weights
-        trainers[kind.__name__] = kind(config, games, device)
+        trainers[name] = kind(config, games, device)
+        trainers[name].cuda_graph_update = name == "graphed"
     if device.type == "cuda":  # true float32 (the trainers allow TF32), so that the weights differ by rounding alone
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     seconds, differences = {name: [] for name in trainers}, []
     for update in range(updates):
-        start = [weights.detach().clone() for weights in trainers["RunTrainer"].model.parameters()]
+        start = [weights.detach().clone() for weights in trainers["eager"].model.parameters()]
         for name, trainer in trainers.items():
             torch.manual_seed(100 + update)  # the same shuffles
             started = time.perf_counter()
@@ -159,7 +107,7 @@ def measure(env_id: str, num_envs: int, device: torch.device, updates: int) -> d
     return {"device": str(device), "num_envs": num_envs, "updates": updates,
             "minibatch_steps_per_update": config.update_epochs * config.num_minibatches,
             **{f"{name}_seconds": statistics.median(times[warm]) for name, times in seconds.items()},
-            "seconds": seconds, "captured": trainers["GraphedUpdate"].graph is not None,
+            "seconds": seconds, "captured": trainers["graphed"].update_graph is not None,
             "relative_weight_difference": differences}
 
 
@@ -186,8 +134,8 @@ def main() -> None:
         run = measure(env_id, num_envs, device, args.updates)
         results["runs"].append(run)
         print(f"{num_envs} games, {run['minibatch_steps_per_update']} minibatch steps an update, {device}: "
-              f"{run['RunTrainer_seconds'] * 1e3:.1f} ms an update as it runs, "
-              f"{run['GraphedUpdate_seconds'] * 1e3:.1f} ms with each step replayed from a CUDA graph"
+              f"{run['eager_seconds'] * 1e3:.1f} ms an update with its steps launched one by one, "
+              f"{run['graphed_seconds'] * 1e3:.1f} ms with each replayed from a CUDA graph"
               f"{'' if run['captured'] else ' (not captured: no GPU)'}; an update from the same weights left them "
               f"apart by {max(run['relative_weight_difference']):.1e} of how far it moved them, at most")
     if args.json:

@@ -13,9 +13,9 @@
     its methods, as in a run. Beside the speed, the JSON holds the ATen calls a step of the rollout
     makes (counted with `TorchDispatchMode` in a rollout of its own, untimed). `--baseline FILE`
     measures another copy of `ppo_atari.py` (an earlier commit's, say) in the same run, the two
-    taking turns, so that a change is measured side by side on one machine; `--graphed-update`
-    measures, in the same turns, this script's trainer with each minibatch step of the update
-    replayed from a CUDA graph (`graph_update.py`'s `GraphedUpdate`).
+    taking turns, so that a change is measured side by side on one machine; `--eager-update`
+    measures, in the same turns, this script's trainer with the update's minibatch steps launched
+    one by one instead of replayed from a CUDA graph (what the graph gains, end to end, on CUDA).
 
 (c) The host's side of a step: the microseconds the main process spends on a step of the rollout
     with the games and the network's call taken out (fixed frames, and the network's outputs made
@@ -26,7 +26,7 @@
     python benchmarks/throughput.py                   # both parts, Breakout, 8 and 32 games
     python benchmarks/throughput.py --part train --device cuda --precision fp32 --num-envs 8 32 --rounds 3
     python benchmarks/throughput.py --part host --num-envs 8 32
-    python benchmarks/throughput.py --part train --device cuda --precision fp32 --graphed-update
+    python benchmarks/throughput.py --part train --device cuda --precision fp32 --eager-update
     git show 30d4d64:ppo_atari.py > /tmp/before.py
     python benchmarks/throughput.py --part train --precision auto --rounds 3 --baseline /tmp/before.py
 
@@ -195,9 +195,9 @@ def host_microseconds_per_step(script, num_envs: int, channels_last: bool, rollo
 
 
 def train_throughput(script, env_id: str, num_envs: int, num_workers: int, device: torch.device, precision: str,
-                     iterations: int, warmup: int, cuda_graph: bool = True, trainer_class=None) -> dict:
-    """Agent steps per second of the trainer a run uses (Part 3's `RunTrainer` of `script`, or
-    `trainer_class`), and the time of each iteration split into its phases, as a run times them
+                     iterations: int, warmup: int, cuda_graph: bool = True, cuda_graph_update: bool = True) -> dict:
+    """Agent steps per second of the trainer a run uses (Part 3's `RunTrainer` of `script`, its
+    update replayed from a CUDA graph on CUDA unless `cuda_graph_update` is false), and the time of each iteration split into its phases, as a run times them
     (`RunWorkers` and `RunTrainer`): waiting for the games (the workers' `step`), sampling
     (`collect_rollout`, of which the rest is inference and storing the rollout) and the update
     (`update_policy`)."""
@@ -205,8 +205,8 @@ def train_throughput(script, env_id: str, num_envs: int, num_workers: int, devic
     torch.manual_seed(1)
     with script.RunWorkers(env_id, num_envs, num_workers, seed=1,
                            game_options=script.game_options(config)) as envs:
-        trainer = (trainer_class or script.RunTrainer)(config, envs, device)
-        trainer.cuda_graph = cuda_graph
+        trainer = script.RunTrainer(config, envs, device)
+        trainer.cuda_graph, trainer.cuda_graph_update = cuda_graph, cuda_graph_update
         per_iteration, splits = [], []
         for iteration in range(warmup + iterations):
             before = {**envs.seconds, **trainer.seconds}
@@ -224,6 +224,7 @@ def train_throughput(script, env_id: str, num_envs: int, num_workers: int, devic
     return {"script": getattr(script, "__file__", "ppo_atari.py"), "trainer": type(trainer).__name__, "device": str(device),
             "precision": "bf16" if trainer.model.bf16 else "fp32", "num_envs": num_envs,
             "num_workers": num_workers, "cuda_graph": cuda_graph and device.type == "cuda",
+            "cuda_graph_update": cuda_graph_update and device.type == "cuda",
             "sps": config.batch_size / median_seconds, "seconds_per_iteration": median_seconds,
             **{f"{k}_seconds": statistics.median(s[k] for s in splits) for k in splits[0]}}
 
@@ -245,8 +246,8 @@ def main() -> None:
                         help="training runs of each kind, taking turns with each other and with the workers alone; "
                              "the medians are compared")
     parser.add_argument("--no-cuda-graph", action="store_true", help="choose actions on CUDA without the CUDA graph")
-    parser.add_argument("--graphed-update", action="store_true",
-                        help="also train with each minibatch step replayed from a CUDA graph (graph_update.py), in turns")
+    parser.add_argument("--eager-update", action="store_true",
+                        help="also train with the update's minibatch steps launched one by one, not from a CUDA graph, in turns")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     for name, least in [("num_envs", 1), ("num_workers", 0), ("steps", 1), ("repeats", 1), ("iterations", 1),
@@ -263,12 +264,10 @@ def main() -> None:
     results = {"cpu_count": cpu_count(), "torch": torch.__version__, "env_id": env_id, "env": [], "train": [],
                "host": []}
     scripts = {"this": ppo_atari, **({"baseline": load_script(args.baseline)} if args.baseline else {})}
-    # What trains, by name: a script, and its `RunTrainer` or another trainer class.
-    kinds = {name: (name, None) for name in scripts}
-    if args.graphed_update:
-        from graph_update import GraphedUpdate  # noqa: E402  (beside this file)
-
-        kinds["this, graphed update"] = ("this", GraphedUpdate)
+    # What trains, by name: a script, and whether its update may be replayed from a CUDA graph.
+    kinds = {name: (name, True) for name in scripts}
+    if args.eager_update:
+        kinds["this, eager update"] = ("this", False)
     for num_envs in args.num_envs:
         num_workers = args.num_workers or min(num_envs, cpu_count())
         if args.part in ("env", "all"):
@@ -292,10 +291,10 @@ def main() -> None:
                 alone, runs = [], {name: [] for name in kinds}
                 for _ in range(args.rounds):
                     alone.append(workers_alone(env_id, num_envs, num_workers, args.steps))
-                    for name, (script, trainer_class) in kinds.items():
+                    for name, (script, graph_update) in kinds.items():
                         runs[name].append(train_throughput(scripts[script], env_id, num_envs, num_workers, device,
                                                            precision, args.iterations, args.warmup,
-                                                           not args.no_cuda_graph, trainer_class))
+                                                           not args.no_cuda_graph, graph_update))
                 alone_sps = statistics.median(alone)
                 print(f"    workers alone, random actions: {alone_sps:6,.0f} SPS")
                 # A script's rollout is its `RunTrainer`'s whatever the trainer: counted once a script.

@@ -136,14 +136,14 @@ def test_a_rollout_on_cuda_waits_for_the_gpu_once_a_step_and_holds_the_frames_ea
     played = []
     with ppo_atari.Workers(breakout_id, num_envs, 2, seed, OPTIONS) as workers:
         trainer = ppo_atari.RunTrainer(config, workers, torch.device("cuda"))
-        trainer.cuda_graph = cuda_graph
+        trainer.cuda_graph = trainer.cuda_graph_update = cuda_graph
         for _ in range(2):
             rollout, syncs = host_syncs(trainer.collect_rollout)
             played.append(ppo_atari.Rollout(*(tensor.clone() for tensor in rollout)))
             _, update_syncs = host_syncs(lambda: trainer.update_policy(rollout))
             assert len(update_syncs) == 1, update_syncs
     assert config.num_steps <= len(syncs) <= config.num_steps + 4, syncs[:3]
-    assert (trainer.graph is not None) == cuda_graph
+    assert (trainer.graph is not None) == (trainer.update_graph is not None) == cuda_graph
     reference = InProcessGames(breakout_id, num_envs, seed)
     frames = reference.reset()
     for rollout in played:

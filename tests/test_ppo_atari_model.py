@@ -184,6 +184,41 @@ def test_update_follows_the_schedule_and_resumes_on_it(breakout_id):
     assert stats["learning_rate"] == pytest.approx(1e-3 / 10)  # the last update
 
 
+class FixedTensorsTrainer(ppo_atari.RunTrainer):
+    """Part 1's step on the fixed tensors that Part 2's graphed update reads on CUDA, run eagerly: what
+    a replay computes, where there is no GPU to capture."""
+
+    def minibatch_step(self, batch, indices, clip_range):
+        return ppo_atari.Trainer.minibatch_step(self, *self.fixed_step(batch, indices, clip_range))
+
+
+def test_a_checkpoint_of_a_graphed_update_resumes_on_the_cpu(breakout_id):
+    # On CUDA the optimizer is made capturable and reads its learning rate from a tensor; saved so,
+    # a checkpoint still resumes on a CPU, which sets the rate as a number before each update.
+    torch.manual_seed(0)
+    config = ppo_atari.RunConfig(**vars(small_config(learning_rate=1e-3)), precision="fp32")
+    trainer = FixedTensorsTrainer(config, ScriptedEnv(), torch.device("cpu"))
+    trainer.update_policy(trainer.collect_rollout())
+    state = ppo_atari.checkpoint_state(trainer, breakout_id, ppo_atari.Ranks())
+    group = state["optimizer"]["param_groups"][0]
+    assert group["capturable"] and isinstance(group["lr"], torch.Tensor)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    resumed = ppo_atari.RunTrainer(config, ScriptedEnv(), torch.device("cpu"))
+    ppo_atari.restore_checkpoint(resumed, torch.load(buffer, weights_only=True), "(in memory)", ppo_atari.Ranks())
+    stats = resumed.update_policy(resumed.collect_rollout())
+    assert stats["learning_rate"] == pytest.approx(1e-3 * (1 - 1 / 10))
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * (1 - 1 / 10))
+    assert all(torch.isfinite(w).all() for w in resumed.model.parameters())
+
+
+def test_a_nan_stops_the_update_on_the_graph_s_fixed_tensors():
+    torch.manual_seed(0)
+    config = ppo_atari.RunConfig(**vars(small_config()), precision="fp32")
+    a_nan_stops_the_update(FixedTensorsTrainer(config, ScriptedEnv(), torch.device("cpu")))
+
+
 def test_a_nan_stops_the_update_and_names_it():
     torch.manual_seed(0)
     a_nan_stops_the_update(ppo_atari.Trainer(small_config(), ScriptedEnv(), torch.device("cpu")))
