@@ -57,7 +57,8 @@ def host_syncs(call):
 def test_an_update_on_cuda_is_the_update_on_the_cpu(kind, exact_float32):
     # One rollout, played on the host, updated on both devices from the same weights. One minibatch
     # of the whole batch makes the update independent of the order each device's generator draws.
-    config = ppo_atari.RunConfig(**vars(small_config(num_minibatches=1, update_epochs=3)), precision="fp32")
+    # Five steps: `RunTrainer` takes three as they are, captures the fourth and replays the last two.
+    config = ppo_atari.RunConfig(**vars(small_config(num_minibatches=1, update_epochs=5)), precision="fp32")
     torch.manual_seed(0)
     cpu = kind(config, ScriptedEnv(truncate_at={1: 3}), torch.device("cpu"))
     rollout = ppo_atari.Rollout(*(tensor.clone() for tensor in cpu.collect_rollout()))
@@ -65,6 +66,7 @@ def test_an_update_on_cuda_is_the_update_on_the_cpu(kind, exact_float32):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # kind's __init__ may set them
     cuda.model.load_state_dict(cpu.model.state_dict())
     theirs, ours = cpu.update_policy(rollout), cuda.update_policy(rollout)
+    assert (getattr(cuda, "update_graph", None) is not None) == (kind is ppo_atari.RunTrainer)
     for name in ["loss", "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance"]:
         assert ours[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), name
     for name, weights in cpu.model.state_dict().items():
@@ -187,6 +189,15 @@ def test_a_checkpoint_moves_from_the_gpu_to_the_cpu_and_back(tmp_path):
     for device in ["cpu", "cuda"]:
         evaluated = run("--eval", tmp_path / "back" / "checkpoint.pt", "--eval-episodes", 1, "--device", device)
         assert evaluated.returncode == 0 and "1 games, score" in evaluated.stdout, evaluated.stderr
+
+
+def test_trains_with_a_bfloat16_torso_on_the_gpu(tmp_path):
+    # Both graphs captured with the torso under autocast: four updates of two minibatch steps.
+    result = run(*TINY, "--total-timesteps", 512, "--precision", "bf16", "--run-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "training on cuda:0 (bfloat16 torso)" in result.stderr
+    final = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
+    assert final["update"] == 4 and all(torch.isfinite(w).all() for w in final["model"].values())
 
 
 def test_learns_which_action_pays_on_the_gpu(monkeypatch):
