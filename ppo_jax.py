@@ -1667,11 +1667,10 @@ class EventWriter:
         # Looked up when used, not imported by name: `--track` replaces it with a writer that wandb watches.
         self.directory, self.writer = directory, event_file_writer.EventFileWriter(str(directory))
 
-    def add(self, step: int, **value) -> None:
-        """An event of one `Summary.Value(**value)`: `add(step, tag=..., simple_value=...)` is a scalar."""
+    def add(self, step: int, *values: Summary.Value) -> None:
+        """One event of `values` at `step`: `add(step, Summary.Value(tag=..., simple_value=...))` is a scalar."""
         with naming(self.directory):
-            self.writer.add_event(Event(summary=Summary(value=[Summary.Value(**value)]), step=int(step),
-                                        wall_time=time.time()))
+            self.writer.add_event(Event(summary=Summary(value=values), step=int(step), wall_time=time.time()))
 
     def flush(self) -> None:
         with naming(self.directory):
@@ -1729,6 +1728,10 @@ def log_chunk(run: Run, metrics: dict, episodes: jax.Array, count: int, first_up
             **{f"losses/{name}": value for name, value in metrics["losses"].items()},
             "charts/episodic_return": metrics["episodic_return"], "charts/episodic_length": metrics["episodic_length"],
             "charts/episodic_return_last_100": metrics["recent_return"]}
+    # Each writer's scalars of an update go in one event: TensorBoard reads every value of an event as
+    # a point of its tag, and tensorboard's writer checksums each event in Python, so that one event
+    # an update, rather than one a scalar, takes the writers less than half the time.
+    updates = [[[] for _ in range(count)] for _ in [run.writer, *run.writers]]  # [writer][update]: its values
     for tag, values in tags.items():
         every = not tag.startswith("charts/episodic")
         with warnings.catch_warnings():
@@ -1736,11 +1739,15 @@ def log_chunk(run: Run, metrics: dict, episodes: jax.Array, count: int, first_up
             spread = {"": np.nanmean(values, axis=1), "/min": np.nanmin(values, axis=1), "/max": np.nanmax(values, axis=1)}
         for index in range(count) if every else np.flatnonzero(ended.any(axis=1)):
             for suffix, value in list(spread.items())[:1 if values.shape[1] == 1 else 3]:
-                run.writer.add(steps[index], tag=tag + suffix, simple_value=value[index])
-        for agent, writer in enumerate(run.writers):
+                updates[0][index].append(Summary.Value(tag=tag + suffix, simple_value=value[index]))
+        for agent, own in enumerate(updates[1:]):
             for index in range(count) if every else np.flatnonzero(ended[:, agent]):
-                writer.add(steps[index], tag=tag, simple_value=values[index, agent])
-    run.writer.add(steps[-1], tag="charts/SPS", simple_value=sps)
+                own[index].append(Summary.Value(tag=tag, simple_value=values[index, agent]))
+    updates[0][-1].append(Summary.Value(tag="charts/SPS", simple_value=sps))
+    for writer, values in zip([run.writer, *run.writers], updates):
+        for step, update in zip(steps, values):
+            if update:
+                writer.add(step, *update)
     if run.config.num_seeds > 1:
         leaves = {jax.tree_util.keystr(where, simple=True, separator="/"): value
                   for where, value in jax.tree_util.tree_leaves_with_path(metrics)}
@@ -1931,8 +1938,7 @@ class Run:
         if not self.resumed:  # the first event: the hyperparameters, as a table in TensorBoard's text tab
             table = "\n".join(["|parameter|value|", "|-|-|", f"|env_id|{self.env_id}|",
                                *(f"|{key}|{value}|" for key, value in dataclasses.asdict(self.config).items())])
-            text = text_pb("hyperparameters/text_summary", table).value[0]  # tensorboard's own text summary
-            self.writer.add(0, tag=text.tag, tensor=text.tensor, metadata=text.metadata)
+            self.writer.add(0, *text_pb("hyperparameters/text_summary", table).value)  # tensorboard's own text summary
         self.logger = self.opened.enter_context(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="logging"))
         self.opened.callback(self.logged)  # the first to run at the end: the logging thread writes with the writers
 
