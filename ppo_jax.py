@@ -1647,8 +1647,11 @@ def restore_tree(template: Any, state: Any, path: str) -> Any:
 # single number from the device, whether the last chunk diverged, and hands that chunk's metrics,
 # still on the device, to a thread of their own, which copies them to the host, writes them and
 # shows the progress line while the next chunk computes (`log_chunk`). It logs one chunk at a time,
-# in order; what it could not write (an `OSError`: a full disk) is raised in the main thread when
-# the next chunk is handed to it. It writes the checkpoints too, once the chunk's logs are on disk,
+# in order, and may fall one chunk behind: the main thread waits for it only when two chunks are
+# left to write, so that the writing of a chunk and its checkpoint has the time of the next two
+# chunks, not of one, before the device is kept waiting. What the thread could not write (an
+# `OSError`: a full disk) is raised in the main thread when a later chunk is handed to it, and
+# nothing is written after it. It writes the checkpoints too, once the chunk's logs are on disk,
 # so that a checkpoint never holds more of the run than its logs; the main thread only takes the
 # runners to save (`storable`) before it dispatches the next chunk. (Written by the main thread,
 # the checkpoints of 2,048 agents left an H100 idle for 7.3 s between the chunks of a 400-update
@@ -1898,7 +1901,7 @@ class Run:
         self.dir = Path(config.run_dir or (Path(config.resume).parent if checkpoint else
                                            Path("runs") / f"{name}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"))
         self.config, self.env_id, self.resumed, self.signals = config, env_id, checkpoint is not None, signals
-        self.checkpoint_path, self.tracking, self.logging = self.dir / "checkpoint.msgpack", None, None
+        self.checkpoint_path, self.tracking, self.logging = self.dir / "checkpoint.msgpack", None, []
         if self.checkpoint_path.exists() and not (checkpoint and self.checkpoint_path.samefile(config.resume)):
             raise ConfigError(f"{self.dir} already holds a checkpoint{f' of another run than {config.resume}' if checkpoint else ''}; "
                               f"resume it with --resume {self.checkpoint_path} or choose another --run-dir")
@@ -1943,12 +1946,18 @@ class Run:
         self.opened.callback(self.logged)  # the first to run at the end: the logging thread writes with the writers
 
     def log(self, *chunk, checkpoint: tuple[int, Runner] | None = None) -> None:
-        """Hand a chunk to the logging thread (`log_chunk`) once it is done with the last; raise what that raised.
-        With `checkpoint`, `(update, storable runners)`, the thread then writes it, once the chunk's logs are written."""
-        self.logged()
-        self.logging = self.logger.submit(self.log_and_save, chunk, checkpoint)
+        """Hand a chunk to the logging thread (`log_chunk`) once it has at most one other left to write; raise what
+        those before it raised. With `checkpoint`, `(update, storable runners)`, the thread then writes it, once the
+        chunk's logs are written."""
+        while len(self.logging) > 1:
+            self.logging.pop(0).result()
+        self.logging.append(self.logger.submit(self.log_and_save, self.logging[-1] if self.logging else None, chunk,
+                                               checkpoint))
 
-    def log_and_save(self, chunk: tuple, checkpoint: tuple[int, Runner] | None) -> None:
+    def log_and_save(self, before: concurrent.futures.Future | None, chunk: tuple,
+                     checkpoint: tuple[int, Runner] | None) -> None:
+        if before is not None:
+            before.result()  # what the chunk before could not write ends this one too: nothing is written after it
         log_chunk(self, *chunk)
         if checkpoint is not None:
             for writer in [self.writer, *self.writers]:
@@ -1958,9 +1967,9 @@ class Run:
                                                    runners=runners))
 
     def logged(self) -> None:
-        logging, self.logging = self.logging, None
-        if logging is not None:
-            logging.result()
+        """Wait until the logging thread has written every chunk handed to it; raise what it raised."""
+        while self.logging:
+            self.logging.pop(0).result()
 
     def last_checkpoint(self) -> Path | None:
         """The newest checkpoint of this run that exists: its own, else the one it resumed from, else none."""

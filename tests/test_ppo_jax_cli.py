@@ -4,6 +4,7 @@ import dataclasses
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import flax.serialization
@@ -117,6 +118,32 @@ def test_the_next_chunk_is_computing_while_the_last_is_logged(monkeypatch, tmp_p
     for update in range(3):  # chunk `update + 1` was computing before chunk `update` was logged
         assert dispatches[update + 1] < events.index(("log", update))
     assert ppo_jax.read_agent_series(tmp_path / ppo_jax.AGENTS_FILE)["step"].tolist() == [256, 512, 768, 1024]
+
+
+def test_the_main_thread_goes_on_while_the_logging_thread_is_a_chunk_behind(monkeypatch, tmp_path):
+    # The logging thread may fall a chunk behind: while it writes chunk 0 (say, its checkpoint), the main thread
+    # learns that chunks 1 and 2 are done and dispatches chunk 3, so that a slow write does not keep the device
+    # waiting. Waited for after every chunk, the write of chunk 0 would hold the dispatch of chunk 3 back.
+    dispatched, fourth, waited = [], threading.Event(), []
+
+    def dispatching(count):
+        dispatched.append(count)
+        if len(dispatched) == 4:
+            fourth.set()
+
+    note_dispatches(monkeypatch, ppo_jax, dispatching)
+    log_chunk = ppo_jax.log_chunk
+
+    def logging(run, metrics, episodes, count, first_update, sps):
+        if first_update == 0:
+            waited.append(fourth.wait(timeout=60))
+        log_chunk(run, metrics, episodes, count, first_update, sps)
+
+    monkeypatch.setattr(ppo_jax, "log_chunk", logging)
+    monkeypatch.setattr(ppo_jax, "CHUNK_SECONDS", 0.0)  # chunks of one update each
+    assert ppo_jax.main([*map(str, SMALL), "--run-dir", str(tmp_path), "--total-timesteps", "2048"]) == 0
+    assert waited == [True]
+    assert ppo_jax.read_agent_series(tmp_path / ppo_jax.AGENTS_FILE)["step"].tolist() == [256 * u for u in range(1, 9)]
 
 
 def test_a_chunk_that_waited_for_the_host_does_not_shrink_the_next(monkeypatch, tmp_path):

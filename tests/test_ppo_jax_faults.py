@@ -336,6 +336,26 @@ def test_checkpoints_are_written_by_the_logging_thread_while_the_next_chunk_comp
         assert updates_dispatched >= min(update + 1, 8)  # and the next chunk was dispatched before it
 
 
+def test_nothing_is_written_after_a_chunk_whose_logs_could_not_be(monkeypatch, tmp_path):
+    # The logging thread may be a chunk behind the main thread. The chunk handed to it after one it could not
+    # write (a full disk) writes nothing, not even its checkpoint, and the error reaches the main thread.
+    logged = []
+
+    def log_chunk(run, metrics, episodes, count, first_update, sps):
+        logged.append(first_update)
+        if first_update == 0:
+            raise OSError(28, "No space left on device", str(tmp_path / "agents.npys"))
+
+    monkeypatch.setattr(ppo_jax, "log_chunk", log_chunk)
+    run = ppo_jax.Run(ppo_jax.RunConfig(run_dir=str(tmp_path)), "CartPole-v1", None, ppo_jax.Signals())
+    with pytest.raises(OSError, match="No space left on device"):
+        with run.opened:
+            run.open_writers(ppo_jax.Progress(1024, 0, 1, "episodes"))
+            run.log(None, None, 1, 0, 1.0)
+            run.log(None, None, 1, 1, 1.0, checkpoint=(2, {"params": np.ones(2, np.float32)}))
+    assert logged == [0] and not (tmp_path / "checkpoint.msgpack").exists()
+
+
 def test_a_state_that_is_not_finite_is_not_written(tmp_path):
     config = ppo_jax.RunConfig(run_dir=str(tmp_path))
     run = ppo_jax.Run(config, "CartPole-v1", None, ppo_jax.Signals())
