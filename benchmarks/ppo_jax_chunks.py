@@ -14,7 +14,10 @@ steps, the defaults):
     thread of its own notes when the device finished each chunk: the device's busy time, its idle
     time between chunks, the time before the first chunk and after the last, and the seconds the
     main thread spent handing chunks to the logging thread (`Run.log`, which waits for the last one)
-    and writing checkpoints (`Run.write_checkpoint`), and the logging thread in `log_chunk`.
+    and writing checkpoints (`Run.write_checkpoint`), and the logging thread in `log_chunk`; and the
+    seconds the main thread spent in the calls that dispatch the chunks (`in_dispatch_s`): near none
+    where a call returns before its chunk has run, near the device's busy time where it returns only
+    once the chunk is (nearly) done.
 
     python benchmarks/ppo_jax_chunks.py --seeds 2048                        # on a GPU: (A) and (B)
     python benchmarks/ppo_jax_chunks.py --seeds 2048 --part run --script old/ppo_jax.py
@@ -86,6 +89,7 @@ def measure_run(ppo_jax, seeds: int, total_timesteps: int, run_dir: Path) -> dic
         def dispatch(runners, count):
             chunk = {"dispatched": time.perf_counter(), "count": int(count)}
             outputs = train_chunk(runners, count)
+            chunk["returned"] = time.perf_counter()
             chunks.append(chunk)
             threading.Thread(target=lambda: (jax.block_until_ready(outputs),
                                              chunk.__setitem__("done", time.perf_counter())), daemon=True).start()
@@ -121,6 +125,7 @@ def measure_run(ppo_jax, seeds: int, total_timesteps: int, run_dir: Path) -> dic
             "device_busy_s": busy, "device_idle_between_chunks_s": idle, "after_last_chunk_s": ended - chunks[-1]["done"],
             "busy_ms_per_update": 1e3 * busy / sum(chunk["count"] for chunk in chunks),
             "chunk_counts": [chunk["count"] for chunk in chunks],
+            "in_dispatch_s": sum(chunk["returned"] - chunk["dispatched"] for chunk in chunks),
             **{f"{name}_s": sum(seconds) for name, seconds in spans.items()}}
 
 

@@ -111,6 +111,7 @@ def test_ppo_jax_chunks_times_the_programs_and_the_device_under_the_command_line
     assert {"chunk_of_50_ms_per_update", "chunk_of_100_ms_per_update_reading_the_flag"} <= set(programs)
     assert run["status"] == 0 and sum(run["chunk_counts"]) == 4 and run["device_busy_s"] > 0
     assert run["device_idle_between_chunks_s"] >= 0 and run["write_checkpoint_s"] > 0 and run["log_chunk_s"] > 0
+    assert 0 <= run["in_dispatch_s"] <= run["seconds"] - run["before_first_chunk_s"]
     assert run["before_first_chunk_s"] + run["device_busy_s"] + run["device_idle_between_chunks_s"] \
         + run["after_last_chunk_s"] == pytest.approx(run["seconds"])
 
