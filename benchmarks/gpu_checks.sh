@@ -2,9 +2,12 @@
 # The checks that need a GPU, prepared to run in one go on a machine lent for a few minutes:
 #
 #   bash benchmarks/gpu_checks.sh pytorch     (at most 9 minutes: the limits of its steps)
-#   bash benchmarks/gpu_checks.sh jax         (at most 6 minutes)
+#   bash benchmarks/gpu_checks.sh jax         (at most 7.5 minutes)
 #
-# Two calls, since a lent machine runs one command for at most 10 minutes; `all` runs both.
+# Two calls, since a lent machine runs one command for at most 10 minutes; `all` runs both. On an
+# NVIDIA H200 (2026-11-26) the steps took about 430 s in all, over two calls with the installs (the
+# training step without `--eager-update`, the chunks step not yet there): `all` in one call of 600 s
+# saves a machine's start, and each step's limit still stops one that hangs.
 #
 # pytorch: ppo_atari.py's training speed on CUDA beside its workers alone, at 8 and 32 games
 #          (issue 41: training at least 0.7 of the workers, the rollout alone at least 0.8), and
@@ -12,7 +15,9 @@
 #          the update alone both ways (`graph_update.py`), then every test that needs a GPU for the
 #          PyTorch scripts.
 # jax:     ppo_jax.py with 2,048 CartPole agents x 500k steps, the whole process against the
-#          compiled program (issue 42: at most 1.2 times), then ppo_jax.py's GPU tests.
+#          compiled program (issue 42: at most 1.2 times); a run of 2,048 agents whose chunks are
+#          timed on the device (its idle time between them, and `in_dispatch_s`: whether a chunk's
+#          dispatch returns before it has run); then ppo_jax.py's GPU tests.
 #
 # Each step has its own time limit and the script goes on after a failure, so that one slow step
 # does not cost the others; it ends with a line per step and its exit status. The measurements go
@@ -51,6 +56,8 @@ fi
 if [ "$part" = jax ] || [ "$part" = all ]; then
     step ppo-jax-overhead 240 python benchmarks/ppo_jax_speed.py --part overhead --seeds 2048 \
         --total-timesteps 500000 --repeats 1 --json "$out/ppo_jax-overhead-$gpu.json"
+    step ppo-jax-chunks 90 python benchmarks/ppo_jax_chunks.py --seeds 2048 --part run --total-timesteps 204800 \
+        --json "$out/ppo_jax-chunks-$gpu.json"
     step jax-gpu-tests 120 python -m pytest -q -rs tests/test_ppo_jax_cli.py::test_trains_on_the_gpu_where_there_is_one
 fi
 printf '%s\n' "${summary[@]}"
