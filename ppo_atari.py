@@ -1799,7 +1799,9 @@ class Signals:
         Python runs a handler between two bytecodes of the main thread, wherever it is. An exception
         raised there from inside `torch.save` leaves its C++ writer half-closed, and closing it can
         then end the process outright (`terminate called ... c10::Error`), with no message, no
-        cleanup and the temporary file left behind.
+        cleanup and the temporary file left behind. TensorBoard's writer hands its events to a thread
+        through a queue: after an abort, closing it once waited forever on that thread (1 in about
+        235 aborts of the test that presses Ctrl-C again and again), so its writes are held too.
         """
         self.waiting = []
         try:
@@ -1895,7 +1897,8 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
                 tracking = opened.enter_context(start_tracking(config, run_dir.name)) if config.track else None
                 writer = opened.enter_context(SummaryWriter(str(run_dir)))
                 if checkpoint is None:
-                    writer.add_text("hyperparameters", hyperparameter_table(config, env_id))
+                    with signals.held():
+                        writer.add_text("hyperparameters", hyperparameter_table(config, env_id))
                 print(f"{env_id}: training on {device} ({'bfloat16' if trainer.model.bf16 else 'float32'} torso), "
                       f"{config.num_envs} games in {num_workers} workers{f' on each of {ranks.size} ranks' * (ranks.size > 1)}; "
                       f"logs and checkpoints in {run_dir}" + (f"\nresumed at step {trainer.global_step:,} (update "
@@ -1916,8 +1919,10 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
                 spent = {phase: seconds - before[phase] for phase, seconds in {**envs.seconds, **trainer.seconds}.items()}
                 before.update({**envs.seconds, **trainer.seconds})
                 if ranks.is_main:  # the rollout's time outside the workers' steps is inference, with the copies around it
-                    log_update(writer, trainer.global_step, stats, finished_games, progress, {
-                        "env": spent["env"], "inference": spent["sampling"] - spent["env"], "update": spent["update"]})
+                    with signals.held():
+                        log_update(writer, trainer.global_step, stats, finished_games, progress, {
+                            "env": spent["env"], "inference": spent["sampling"] - spent["env"],
+                            "update": spent["update"]})
                 if tracking is not None and config.capture_video:
                     send_new_videos(tracking, run_dir / "videos", sent_videos)
                 if requested := ranks.largest(signals.requested or 0, device):
