@@ -1163,6 +1163,16 @@ class TunedActorCritic(ActorCritic):
             return self.torso(x.to(torch.bfloat16).mul_(1.0 / 255.0)).float()  # the heads read float32
 
 
+def on_side_stream(call: typing.Callable[[], typing.Any]) -> typing.Any:
+    """`call()` run on a CUDA stream of its own, as the calls before a CUDA graph's capture must be."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        result = call()
+    torch.cuda.current_stream().wait_stream(side)
+    return result
+
+
 class FastSamplingTrainer(Trainer):
     """Part 1's `Trainer` with `TunedActorCritic` (its torso in bfloat16 if `bf16`), sampling on one
     thread, on a CPU its frames stored in the network's layout (and a bfloat16 torso's weights cast
@@ -1209,12 +1219,8 @@ class FastSamplingTrainer(Trainer):
         if not (self.cuda_graph and self.device.type == "cuda"):
             return super().sample_actions(obs)
         if self.graph is None:
-            static_obs, side = obs.clone(), torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):  # cuDNN picks its algorithms before the capture
-                    super().sample_actions(static_obs)
-            torch.cuda.current_stream().wait_stream(side)
+            static_obs, sample = obs.clone(), super().sample_actions
+            on_side_stream(lambda: [sample(static_obs) for _ in range(3)])  # cuDNN picks its algorithms first
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self.graph = (graph, static_obs, super().sample_actions(static_obs))
@@ -1228,7 +1234,7 @@ class FastSamplingTrainer(Trainer):
 
         A step launches a few hundred small kernels one by one (forward, loss, backward, clip,
         Adam): on an NVIDIA H200 an update of 8 games' 1,024 steps, 16 minibatch steps, took 89 ms
-        so, and 30 ms with each step replayed from a graph (102 and 81 ms at 32 games;
+        launched so, and 30 ms with each step replayed from a graph (102 and 81 ms at 32 games;
         `benchmarks/graph_update.py`). Part 1's step waits for nothing, so all of it is captured.
         A graph reads and writes fixed memory, so the step runs on fixed tensors (`fixed_step`).
         The first three steps run as they are, on a side stream, so that cuDNN picks its algorithms
@@ -1240,11 +1246,8 @@ class FastSamplingTrainer(Trainer):
         step = self.fixed_step(batch, indices, clip_range)
         if self.update_graph is None and self.eager_steps < 3:
             self.eager_steps += 1
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                terms = super().minibatch_step(*step)
-            torch.cuda.current_stream().wait_stream(side)
+            take_step = super().minibatch_step
+            terms = on_side_stream(lambda: take_step(*step))
             return type(terms)(*(term.clone() for term in terms))
         if self.update_graph is None:
             self.update_graph = torch.cuda.CUDAGraph()
