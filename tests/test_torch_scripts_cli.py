@@ -2,6 +2,7 @@
 run for both (each script's own, with its trained run, are in its own file)."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -79,3 +80,12 @@ def test_in_a_log_the_progress_line_of_a_step_is_written_once(script, capsys):
     progress.show(1536, final=True)
     lines = capsys.readouterr().err.splitlines()
     assert [line.split(" |")[0] for line in lines] == ["step 1,024/2,048 (50.0%)", "step 1,536/2,048 (75.0%)"]
+
+
+def test_without_run_dir_a_run_goes_to_runs_named_by_env_seed_and_time(script, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert script.run_main(capsys, *script.tiny, "--total-timesteps", 128)[0] == 0
+    env = script.tiny[script.tiny.index("--env") + 1].split("-v")[0]
+    [run_dir] = (tmp_path / "runs").iterdir()
+    assert re.fullmatch(rf"{env}__5__\d{{8}}-\d{{6}}", run_dir.name), run_dir.name
+    assert (run_dir / "checkpoint.pt").is_file()

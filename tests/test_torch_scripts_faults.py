@@ -1,5 +1,6 @@
 """ppo_atari.py and vpg_continuous.py when things go wrong: Ctrl-C twice or early, a diverging update,
-bad numbers, a full disk, two runs in one directory, and workers that fail before they are ready.
+bad numbers, a full disk, two runs in one directory, workers that fail before they are ready or while
+training, and Ctrl-C while evaluating.
 
 The two scripts hold the same text for all of this (`test_vpg_continuous_copies.py`), so each test
 is written once and runs for both."""
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from processes import alive, process_tree
-from torch_scripts import IDS, SCRIPTS, Script
+from torch_scripts import IDS, PPO_ATARI, SCRIPTS, Script
 
 
 @pytest.fixture(params=SCRIPTS, ids=IDS)
@@ -236,7 +237,7 @@ def test_every_numeric_field_is_covered(script):
     pytest.param(script, name, kind, id=f"{script_id}-{name}-{kind.__name__}")
     for script, script_id in zip(SCRIPTS, IDS) for name, kind in numeric_fields(script)])
 def test_every_numeric_flag_refuses_what_cannot_work(script, name, kind, capsys):
-    bad = ["nan", "inf", "-inf"] if kind is float else ["-1"]
+    bad = ["nan", "inf", "-inf"] if kind is float else ["-1", "2.5"]  # an integer's flag takes no fraction
     for value in bad:
         script.one_line_error(*script.run_main(capsys, f"{flag(name)}={value}")[::2], flag(name))
 
@@ -343,6 +344,44 @@ def test_an_env_that_cannot_be_made_shows_the_workers_traceback_once(script, tmp
     assert status == 1, stderr
     assert stderr.count("Traceback") == 1 and "RuntimeError: no simulator here" in stderr, stderr
     assert stderr.strip().splitlines()[-1] == "the workers did not start; no training was done"
+
+
+def test_a_worker_that_fails_while_training_shows_its_traceback_and_the_weights_are_saved(script, tmp_path,
+                                                                                         monkeypatch, capsys):
+    # Each game plays 64 steps an update: its 100th step is in the second update's rollout, so the
+    # weights of the first update are whole, and written before the failure is reported.
+    env_class = script.module.Game if script.module is PPO_ATARI.module else script.module.Task
+    real_step = env_class.step
+
+    def step(self, action):
+        self.steps_played = getattr(self, "steps_played", 0) + 1
+        if self.steps_played == 100:
+            raise RuntimeError("the simulator broke")
+        return real_step(self, action)
+
+    monkeypatch.setattr(env_class, "step", step)  # workers started by `fork` see it
+    status, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 512, "--start-method", "fork",
+                                        "--run-dir", tmp_path)
+    assert status == 1, stderr
+    assert stderr.count("Traceback") == 1 and "RuntimeError: the simulator broke" in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == f"checkpoint of update 1 saved in {tmp_path / 'checkpoint.pt'}"
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] == 1
+    monkeypatch.undo()
+    status, _, stderr = script.run_main(capsys, "--resume", tmp_path / "checkpoint.pt")
+    assert status == 0, stderr
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] == 4
+
+
+def test_ctrl_c_while_evaluating_is_one_line_and_exit_130(script, tmp_path, monkeypatch, capsys):
+    assert script.run_main(capsys, *script.tiny, "--total-timesteps", 128, "--run-dir", tmp_path)[0] == 0
+    env_class = script.module.Game if script.module is PPO_ATARI.module else script.module.Task
+
+    def step(self, action):
+        raise KeyboardInterrupt  # what Python's own handler of Ctrl-C raises in the main thread
+
+    monkeypatch.setattr(env_class, "step", step)
+    status, _, stderr = script.run_main(capsys, "--eval", tmp_path / "checkpoint.pt", "--eval-episodes", 2)
+    assert status == 130 and stderr.strip().splitlines() == ["interrupted; no checkpoint written"], stderr
 
 
 def test_a_checkpoint_missing_a_field_is_one_line(script, tmp_path, capsys):
