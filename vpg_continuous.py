@@ -1394,11 +1394,11 @@ def resolve_env_id(name: str) -> str:
     """
     if name in gym.registry:
         return name
-    ids = {env_id.lower(): env_id for env_id in gym.registry}
-    newest = {}  # in order of version, so that the newest of each name is written last
-    for env_id, spec in sorted(gym.registry.items(), key=lambda item: item[1].version or 0):
-        newest[((f"{spec.namespace}/" if spec.namespace else "") + spec.name).lower()] = env_id
-    if found := ids.get(name.lower()) or newest.get(name.lower()):
+    # Each id and each name without its version, in lower case; in order of version, so that a name
+    # is written last for its newest version.
+    known = {key.lower(): env_id for env_id, spec in sorted(gym.registry.items(), key=lambda item: item[1].version or 0)
+             for key in (env_id, gym.envs.registration.get_env_id(spec.namespace, spec.name, None))}
+    if found := known.get(name.lower()):
         return found
     close = difflib.get_close_matches(name, sorted(gym.registry), n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else "; ids look like HalfCheetah-v5 or Pendulum-v1"
