@@ -1431,7 +1431,7 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None]:
 
 
 def choose_device(requested: str, local_rank: int = 0) -> torch.device:
-    r"""The device the networks run on.
+    r"""The device the networks run on; and one thread for torch, for the whole process.
 
     `auto` is the CPU even where CUDA exists. At each sampling step the two networks see a batch
     of `num_envs` observations while the envs wait for the actions; on the 2-core CPU this page was
@@ -1443,21 +1443,19 @@ def choose_device(requested: str, local_rank: int = 0) -> torch.device:
     with much larger batches or networks, and there the rollout crosses to the GPU once each way per
     step and an update waits for it once (Part 1). (No GPU was at hand to time the crossover for
     this page.) Under torchrun, `cuda` gives each rank the GPU of its `LOCAL_RANK`.
+
+    One thread, because the networks are too small to share out, and the idle threads of a parallel
+    section spin on cores the workers need. A step of value fitting (a minibatch of 64) took 1.5 ms
+    on one thread and 11 to 22 ms on two, measured on a 2-core machine with other work running. On a
+    GPU the host's share is launching kernels and GAE.
     """
     if requested == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for, but torch finds no CUDA device")
+    torch.set_num_threads(1)
     if requested != "cuda":
         return torch.device("cpu")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
-
-
-def apply_hardware_choices() -> None:
-    """One thread for torch, for the whole process: the networks are too small to share out, and
-    the idle threads of a parallel section spin on cores the workers need. A step of value fitting
-    (a minibatch of 64) took 1.5 ms on one thread and 11 to 22 ms on two, measured on a 2-core
-    machine with other work running. On a GPU the host's share is launching kernels and GAE."""
-    torch.set_num_threads(1)
 
 
 @contextlib.contextmanager
@@ -1851,7 +1849,6 @@ def train(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict | 
                 make_task=task_maker(config, env_id, run_dir, first_update)))
             device = choose_device(config.device, ranks.local_rank)
             ranks.start(device)
-            apply_hardware_choices()
             # The trainer that runs: `RunTrainer` in one process, Part 4's `DataParallelRunTrainer` on each rank.
             trainer = RunTrainer(config, envs, device) if ranks.size == 1 else DataParallelRunTrainer(config, envs, device, ranks)
             if checkpoint is not None:
