@@ -1978,10 +1978,13 @@ class Policy:
     `--eval`, or its mean with `deterministic=True`. `make_env` makes the checkpoint's task.
     """
 
-    def __init__(self, network: GaussianPolicy, normalizer: ObservationNormalizer, config: Config, spaces: EnvSpaces,
-                 env_id: str, device: torch.device):
-        self.network, self.normalizer, self.config, self.spaces = network, normalizer, config, spaces
-        self.env_id, self.device = env_id, device
+    def __init__(self, checkpoint: dict, path: str, device: torch.device):
+        self.config = Config(**{field.name: checkpoint["config"][field.name] for field in dataclasses.fields(Config)})
+        self.env_id, self.device, self.spaces = checkpoint["env_id"], device, describe_env(checkpoint["env_id"])
+        self.network = make_networks(self.spaces, self.config)[0].to(device).eval()
+        restore_networks({"policy": self.network}, checkpoint, path)
+        self.normalizer = ObservationNormalizer(self.spaces.obs_dim, enabled=self.config.normalize_observations)
+        self.normalizer.load_state_dict(checkpoint["obs_normalizer"])
 
     def make_env(self, **kwargs) -> gym.Env:
         """The checkpoint's task with its time limit, made by `gym.make` with `kwargs` (`render_mode="human"`, say)."""
@@ -1990,13 +1993,11 @@ class Policy:
     @torch.inference_mode()
     def act(self, observation: np.ndarray, deterministic: bool = False) -> np.ndarray:
         """The action `[action_dim]` for one observation, or `[batch, action_dim]` for a batch."""
-        observation = np.asarray(observation, np.float64)
-        one = observation.ndim == 1
-        batch = torch.from_numpy(self.normalizer(observation[None] if one else observation)).to(self.device)
-        mean, std = self.network(batch)
+        batch = np.atleast_2d(np.asarray(observation, np.float64))
+        mean, std = self.network(torch.from_numpy(self.normalizer(batch)).to(self.device))
         actions = mean if deterministic else gaussian_sample(mean, std)
         actions = np.clip(actions.cpu().numpy().astype(np.float64), self.spaces.action_low, self.spaces.action_high)
-        return actions[0] if one else actions
+        return actions[0] if np.ndim(observation) == 1 else actions
 
 
 def load_policy(path: str | Path, device: str | torch.device = "cpu", checkpoint: dict | None = None) -> Policy:
@@ -2005,14 +2006,7 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", checkpoint
 
     A path that is not such a checkpoint, or holds a diverged network, is a `ConfigError`.
     """
-    checkpoint = checkpoint or load_checkpoint(str(path))
-    config = Config(**{field.name: checkpoint["config"][field.name] for field in dataclasses.fields(Config)})
-    spaces = describe_env(checkpoint["env_id"])
-    network = make_networks(spaces, config)[0]
-    restore_networks({"policy": network}, checkpoint, str(path))
-    normalizer = ObservationNormalizer(spaces.obs_dim, enabled=config.normalize_observations)
-    normalizer.load_state_dict(checkpoint["obs_normalizer"])
-    return Policy(network.to(device).eval(), normalizer, config, spaces, checkpoint["env_id"], torch.device(device))
+    return Policy(checkpoint or load_checkpoint(str(path)), str(path), torch.device(device))
 
 
 def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
