@@ -2104,25 +2104,6 @@ def uses_mujoco(env_id: str) -> bool:
     return isinstance(entry_point, str) and entry_point.startswith("gymnasium.envs.mujoco")
 
 
-def prepare_rendering(task: Task, env_id: str) -> None:
-    """Make `task` ready to render in this process: pygame (the classic-control tasks) with no display
-    or sound card, and MuJoCo's shadows drawn into a 1024 x 1024 map rather than 4096 x 4096, which
-    with no GPU (EGL on Mesa's software renderer) halves a frame's cost (HalfCheetah, 480 x 480:
-    126 to 66 ms on one CPU core), and the shadows still show."""
-    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
-    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
-    if uses_mujoco(env_id):
-        task.env.unwrapped.model.vis.quality.shadowsize = 1024
-
-
-def render_frame(task: Task, env_id: str) -> np.ndarray:
-    """The task's RGB frame, or a `ConfigError` naming what rendering lacks."""
-    try:
-        return task.render()
-    except gym.error.DependencyNotInstalled as error:
-        raise ConfigError(f"cannot record {env_id}: {str(error).strip().splitlines()[0]}") from None
-
-
 class Video:
     """An mp4 file of H.264 video, written one RGB frame at a time.
 
@@ -2169,23 +2150,37 @@ class RecordedTask(Task):
     def __init__(self, env_id: str, seed: int, max_episode_steps: int | None, obs: np.ndarray | None,
                  video_dir: Path, name: str):
         super().__init__(env_id, seed, max_episode_steps, obs=obs, render=True)
-        prepare_rendering(self, env_id)
+        # Ready to render in this process: pygame (the classic-control tasks) with no display or sound
+        # card, and MuJoCo's shadows drawn into a 1024 x 1024 map rather than 4096 x 4096, which with
+        # no GPU (EGL on Mesa's software renderer) halves a frame's cost (HalfCheetah, 480 x 480: 126
+        # to 66 ms on one CPU core), and the shadows still show.
+        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+        os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+        if uses_mujoco(env_id):
+            self.env.unwrapped.model.vis.quality.shadowsize = 1024
         self.env_id, self.video_dir, self.name_format = env_id, video_dir, name
         self.episodes, self.video = 0, None
+
+    def render(self) -> np.ndarray:
+        """The task's RGB frame, or a `ConfigError` naming what rendering lacks."""
+        try:
+            return super().render()
+        except gym.error.DependencyNotInstalled as error:
+            raise ConfigError(f"cannot record {self.env_id}: {str(error).strip().splitlines()[0]}") from None
 
     def reset(self) -> np.ndarray:
         obs = super().reset()
         if records_episode(self.episodes):
             self.name = self.name_format.format(self.episodes)
             self.video = Video(self.video_dir / f".{self.name}", self.env.metadata.get("render_fps") or 30)
-            self.video.write(render_frame(self, self.env_id))
+            self.video.write(self.render())
         self.episodes += 1
         return obs
 
     def step(self, action: np.ndarray) -> Transition:
         step = super().step(action)
         if self.video is not None:
-            self.video.write(render_frame(self, self.env_id))
+            self.video.write(self.render())
             if step.terminated or step.truncated:
                 self.video.close()
                 os.replace(self.video.path, self.video_dir / self.name)
