@@ -1394,11 +1394,11 @@ def resolve_env_id(name: str) -> str:
     """
     if name in gym.registry:
         return name
-    ids = {env_id.lower(): env_id for env_id in gym.registry}
-    newest = {}  # in order of version, so that the newest of each name is written last
-    for env_id, spec in sorted(gym.registry.items(), key=lambda item: item[1].version or 0):
-        newest[((f"{spec.namespace}/" if spec.namespace else "") + spec.name).lower()] = env_id
-    if found := ids.get(name.lower()) or newest.get(name.lower()):
+    # Each id and each name without its version, in lower case; in order of version, so that a name
+    # is written last for its newest version.
+    known = {key.lower(): env_id for env_id, spec in sorted(gym.registry.items(), key=lambda item: item[1].version or 0)
+             for key in (env_id, gym.envs.registration.get_env_id(spec.namespace, spec.name, None))}
+    if found := known.get(name.lower()):
         return found
     close = difflib.get_close_matches(name, sorted(gym.registry), n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else "; ids look like HalfCheetah-v5 or Pendulum-v1"
@@ -1431,7 +1431,7 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None]:
 
 
 def choose_device(requested: str, local_rank: int = 0) -> torch.device:
-    r"""The device the networks run on.
+    r"""The device the networks run on; and one thread for torch, for the whole process.
 
     `auto` is the CPU even where CUDA exists. At each sampling step the two networks see a batch
     of `num_envs` observations while the envs wait for the actions; on the 2-core CPU this page was
@@ -1443,21 +1443,19 @@ def choose_device(requested: str, local_rank: int = 0) -> torch.device:
     with much larger batches or networks, and there the rollout crosses to the GPU once each way per
     step and an update waits for it once (Part 1). (No GPU was at hand to time the crossover for
     this page.) Under torchrun, `cuda` gives each rank the GPU of its `LOCAL_RANK`.
+
+    One thread, because the networks are too small to share out, and the idle threads of a parallel
+    section spin on cores the workers need. A step of value fitting (a minibatch of 64) took 1.5 ms
+    on one thread and 11 to 22 ms on two, measured on a 2-core machine with other work running. On a
+    GPU the host's share is launching kernels and GAE.
     """
     if requested == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for, but torch finds no CUDA device")
+    torch.set_num_threads(1)
     if requested != "cuda":
         return torch.device("cpu")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
-
-
-def apply_hardware_choices() -> None:
-    """One thread for torch, for the whole process: the networks are too small to share out, and
-    the idle threads of a parallel section spin on cores the workers need. A step of value fitting
-    (a minibatch of 64) took 1.5 ms on one thread and 11 to 22 ms on two, measured on a 2-core
-    machine with other work running. On a GPU the host's share is launching kernels and GAE."""
-    torch.set_num_threads(1)
 
 
 @contextlib.contextmanager
@@ -1851,7 +1849,6 @@ def train(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict | 
                 make_task=task_maker(config, env_id, run_dir, first_update)))
             device = choose_device(config.device, ranks.local_rank)
             ranks.start(device)
-            apply_hardware_choices()
             # The trainer that runs: `RunTrainer` in one process, Part 4's `DataParallelRunTrainer` on each rank.
             trainer = RunTrainer(config, envs, device) if ranks.size == 1 else DataParallelRunTrainer(config, envs, device, ranks)
             if checkpoint is not None:
@@ -1981,10 +1978,13 @@ class Policy:
     `--eval`, or its mean with `deterministic=True`. `make_env` makes the checkpoint's task.
     """
 
-    def __init__(self, network: GaussianPolicy, normalizer: ObservationNormalizer, config: Config, spaces: EnvSpaces,
-                 env_id: str, device: torch.device):
-        self.network, self.normalizer, self.config, self.spaces = network, normalizer, config, spaces
-        self.env_id, self.device = env_id, device
+    def __init__(self, checkpoint: dict, path: str, device: torch.device):
+        self.config = Config(**{field.name: checkpoint["config"][field.name] for field in dataclasses.fields(Config)})
+        self.env_id, self.device, self.spaces = checkpoint["env_id"], device, describe_env(checkpoint["env_id"])
+        self.network = make_networks(self.spaces, self.config)[0].to(device).eval()
+        restore_networks({"policy": self.network}, checkpoint, path)
+        self.normalizer = ObservationNormalizer(self.spaces.obs_dim, enabled=self.config.normalize_observations)
+        self.normalizer.load_state_dict(checkpoint["obs_normalizer"])
 
     def make_env(self, **kwargs) -> gym.Env:
         """The checkpoint's task with its time limit, made by `gym.make` with `kwargs` (`render_mode="human"`, say)."""
@@ -1993,13 +1993,11 @@ class Policy:
     @torch.inference_mode()
     def act(self, observation: np.ndarray, deterministic: bool = False) -> np.ndarray:
         """The action `[action_dim]` for one observation, or `[batch, action_dim]` for a batch."""
-        observation = np.asarray(observation, np.float64)
-        one = observation.ndim == 1
-        batch = torch.from_numpy(self.normalizer(observation[None] if one else observation)).to(self.device)
-        mean, std = self.network(batch)
+        batch = np.atleast_2d(np.asarray(observation, np.float64))
+        mean, std = self.network(torch.from_numpy(self.normalizer(batch)).to(self.device))
         actions = mean if deterministic else gaussian_sample(mean, std)
         actions = np.clip(actions.cpu().numpy().astype(np.float64), self.spaces.action_low, self.spaces.action_high)
-        return actions[0] if one else actions
+        return actions[0] if np.ndim(observation) == 1 else actions
 
 
 def load_policy(path: str | Path, device: str | torch.device = "cpu", checkpoint: dict | None = None) -> Policy:
@@ -2008,14 +2006,7 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", checkpoint
 
     A path that is not such a checkpoint, or holds a diverged network, is a `ConfigError`.
     """
-    checkpoint = checkpoint or load_checkpoint(str(path))
-    config = Config(**{field.name: checkpoint["config"][field.name] for field in dataclasses.fields(Config)})
-    spaces = describe_env(checkpoint["env_id"])
-    network = make_networks(spaces, config)[0]
-    restore_networks({"policy": network}, checkpoint, str(path))
-    normalizer = ObservationNormalizer(spaces.obs_dim, enabled=config.normalize_observations)
-    normalizer.load_state_dict(checkpoint["obs_normalizer"])
-    return Policy(network.to(device).eval(), normalizer, config, spaces, checkpoint["env_id"], torch.device(device))
+    return Policy(checkpoint or load_checkpoint(str(path)), str(path), torch.device(device))
 
 
 def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
@@ -2113,25 +2104,6 @@ def uses_mujoco(env_id: str) -> bool:
     return isinstance(entry_point, str) and entry_point.startswith("gymnasium.envs.mujoco")
 
 
-def prepare_rendering(task: Task, env_id: str) -> None:
-    """Make `task` ready to render in this process: pygame (the classic-control tasks) with no display
-    or sound card, and MuJoCo's shadows drawn into a 1024 x 1024 map rather than 4096 x 4096, which
-    with no GPU (EGL on Mesa's software renderer) halves a frame's cost (HalfCheetah, 480 x 480:
-    126 to 66 ms on one CPU core), and the shadows still show."""
-    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
-    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
-    if uses_mujoco(env_id):
-        task.env.unwrapped.model.vis.quality.shadowsize = 1024
-
-
-def render_frame(task: Task, env_id: str) -> np.ndarray:
-    """The task's RGB frame, or a `ConfigError` naming what rendering lacks."""
-    try:
-        return task.render()
-    except gym.error.DependencyNotInstalled as error:
-        raise ConfigError(f"cannot record {env_id}: {str(error).strip().splitlines()[0]}") from None
-
-
 class Video:
     """An mp4 file of H.264 video, written one RGB frame at a time.
 
@@ -2178,23 +2150,37 @@ class RecordedTask(Task):
     def __init__(self, env_id: str, seed: int, max_episode_steps: int | None, obs: np.ndarray | None,
                  video_dir: Path, name: str):
         super().__init__(env_id, seed, max_episode_steps, obs=obs, render=True)
-        prepare_rendering(self, env_id)
+        # Ready to render in this process: pygame (the classic-control tasks) with no display or sound
+        # card, and MuJoCo's shadows drawn into a 1024 x 1024 map rather than 4096 x 4096, which with
+        # no GPU (EGL on Mesa's software renderer) halves a frame's cost (HalfCheetah, 480 x 480: 126
+        # to 66 ms on one CPU core), and the shadows still show.
+        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+        os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+        if uses_mujoco(env_id):
+            self.env.unwrapped.model.vis.quality.shadowsize = 1024
         self.env_id, self.video_dir, self.name_format = env_id, video_dir, name
         self.episodes, self.video = 0, None
+
+    def render(self) -> np.ndarray:
+        """The task's RGB frame, or a `ConfigError` naming what rendering lacks."""
+        try:
+            return super().render()
+        except gym.error.DependencyNotInstalled as error:
+            raise ConfigError(f"cannot record {self.env_id}: {str(error).strip().splitlines()[0]}") from None
 
     def reset(self) -> np.ndarray:
         obs = super().reset()
         if records_episode(self.episodes):
             self.name = self.name_format.format(self.episodes)
             self.video = Video(self.video_dir / f".{self.name}", self.env.metadata.get("render_fps") or 30)
-            self.video.write(render_frame(self, self.env_id))
+            self.video.write(self.render())
         self.episodes += 1
         return obs
 
     def step(self, action: np.ndarray) -> Transition:
         step = super().step(action)
         if self.video is not None:
-            self.video.write(render_frame(self, self.env_id))
+            self.video.write(self.render())
             if step.terminated or step.truncated:
                 self.video.close()
                 os.replace(self.video.path, self.video_dir / self.name)
