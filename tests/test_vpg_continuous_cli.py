@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import cv2
+import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -218,6 +220,44 @@ def test_no_opengl_at_all_names_what_to_install(monkeypatch):
 ])
 def test_bad_input_exits_2_with_one_line(args, message, capsys):
     status, _, stderr = run_main(capsys, *args)
+    one_line_error(status, stderr, message)
+
+
+class ImageTask(gym.Env):
+    """A task this script cannot learn: its observations are images."""
+    observation_space = gym.spaces.Box(0, 255, (8, 8, 3), np.uint8)
+    action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+
+class MatrixActionTask(gym.Env):
+    """A task this script cannot learn: its actions are a matrix."""
+    observation_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = gym.spaces.Box(-1.0, 1.0, (2, 2), np.float32)
+
+
+def unmakeable_task(**kwargs):
+    raise ImportError("no simulator here\nsecond line")
+
+
+@pytest.fixture
+def tasks_it_cannot_learn():
+    gym.register("TestsImageTask-v0", entry_point=ImageTask)
+    gym.register("TestsMatrixActionTask-v0", entry_point=MatrixActionTask)
+    gym.register("TestsUnmakeableTask-v0", entry_point=unmakeable_task)
+    yield
+    for env_id in ["TestsImageTask-v0", "TestsMatrixActionTask-v0", "TestsUnmakeableTask-v0"]:
+        del gym.registry[env_id]
+
+
+@pytest.mark.parametrize("env, message", [
+    ("TestsImageTask-v0", "TestsImageTask-v0's observations are Box(0, 255, (8, 8, 3), uint8); vpg_continuous.py "
+                          "needs a vector (a 1-D Box)"),
+    ("TestsMatrixActionTask-v0", "TestsMatrixActionTask-v0's actions have shape (2, 2); vpg_continuous.py needs a "
+                                 "vector"),
+    ("TestsUnmakeableTask-v0", "cannot make TestsUnmakeableTask-v0: no simulator here"),
+])
+def test_a_task_that_cannot_be_made_or_learnt_is_one_line(env, message, tasks_it_cannot_learn, capsys):
+    status, _, stderr = run_main(capsys, "--env", env)
     one_line_error(status, stderr, message)
 
 
