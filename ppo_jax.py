@@ -1908,8 +1908,7 @@ class Run:
         try:
             fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self.lock.seek(0)
-            holder = self.lock.read().strip()
+            holder = Path(self.lock.name).read_text().strip()
             self.opened.close()
             raise ConfigError(f"{self.dir} is in use by another run (process {holder})") from None
         self.lock.truncate(0)
@@ -1930,11 +1929,9 @@ class Run:
         # where the run reports it in one line: Python's traceback of the thread's death is left out.
         self.opened.callback(setattr, threading, "excepthook", threading.excepthook)
         threading.excepthook = lambda args, hook=threading.excepthook: None if issubclass(args.exc_type, OSError) else hook(args)
-        self.progress, self.writer, self.writers = progress, EventWriter(self.dir), []
-        if self.config.num_seeds > 1:
-            self.writers = [EventWriter(self.dir / f"agent-{i}") for i in range(min(self.config.num_seeds, AGENT_WRITERS))]
-        for writer in [self.writer, *self.writers]:
-            self.opened.callback(writer.close)
+        self.progress, self.writer = progress, self.opened.enter_context(contextlib.closing(EventWriter(self.dir)))
+        self.writers = [self.opened.enter_context(contextlib.closing(EventWriter(self.dir / f"agent-{i}")))
+                        for i in range(min(self.config.num_seeds, AGENT_WRITERS)) if self.config.num_seeds > 1]
         if not self.resumed:  # the first event: the hyperparameters, as a table in TensorBoard's text tab
             table = "\n".join(["|parameter|value|", "|-|-|", f"|env_id|{self.env_id}|",
                                *(f"|{key}|{value}|" for key, value in dataclasses.asdict(self.config).items())])
