@@ -1605,12 +1605,11 @@ def load_checkpoint(path: str) -> dict:
         raise ConfigError(f"{path} is not a ppo_jax.py checkpoint")
     for names in [("env_id",), ("update",), ("global_step",), *[("config", field.name) for field in
                                                                   dataclasses.fields(AtariConfig)], ("runners", "agent", "params")]:
-        node = checkpoint
-        for name in names:
-            if not isinstance(node, dict) or name not in node:
-                raise ConfigError(f"checkpoint {path} has no {'.'.join(names)}: it is damaged, or from another "
-                                  f"version of {PROG}")
-            node = node[name]
+        try:
+            functools.reduce(lambda node, name: node[name], names, checkpoint)
+        except (KeyError, TypeError, IndexError):  # a name missing, or a node that holds no names
+            raise ConfigError(f"checkpoint {path} has no {'.'.join(names)}: it is damaged, or from another "
+                              f"version of {PROG}") from None
     # One written before the ring of the last 100 returns existed resumes with an empty ring.
     agents = checkpoint["config"]["num_seeds"]
     checkpoint["runners"] = {"recent_returns": np.zeros((agents, SCORE_WINDOW), np.float32),
@@ -1666,8 +1665,8 @@ class EventWriter:
     """
 
     def __init__(self, directory: Path):
-        directory.mkdir(parents=True, exist_ok=True)
-        # Looked up when used, not imported by name: `--track` replaces it with a writer that wandb watches.
+        # tensorboard's writer makes the directory if need be. It is looked up when used, not imported by name:
+        # `--track` replaces it with a writer that wandb watches.
         self.directory, self.writer = directory, event_file_writer.EventFileWriter(str(directory))
 
     def add(self, step: int, *values: Summary.Value) -> None:
@@ -1725,7 +1724,7 @@ def log_chunk(run: Run, metrics: dict, episodes: jax.Array, count: int, first_up
     progress line; `episodes`, `[agents]`, is how many each agent has finished. An episode's tags are written where
     an episode ended, the others at every update."""
     metrics, episodes = jax.tree.map(lambda value: value[:count], jax.device_get(metrics)), np.asarray(episodes)
-    steps = (first_update + 1 + np.arange(count)) * run.config.batch_size
+    steps = (first_update + 1 + np.arange(count, dtype=np.int64)) * run.config.batch_size
     ended = metrics["episodes"] > 0
     tags = {"charts/learning_rate": metrics["learning_rate"], "charts/clip_range": metrics["clip_range"],
             **{f"losses/{name}": value for name, value in metrics["losses"].items()},
@@ -1752,11 +1751,10 @@ def log_chunk(run: Run, metrics: dict, episodes: jax.Array, count: int, first_up
             if update:
                 writer.add(step, *update)
     if run.config.num_seeds > 1:
-        leaves = {jax.tree_util.keystr(where, simple=True, separator="/"): value
-                  for where, value in jax.tree_util.tree_leaves_with_path(metrics)}
-        records = np.zeros(count, [("step", np.int64), *((name, value.dtype, value.shape[1:])
-                                                         for name, value in leaves.items())])
-        for name, value in {"step": steps, **leaves}.items():
+        leaves = {"step": steps, **{jax.tree_util.keystr(where, simple=True, separator="/"): value
+                                    for where, value in jax.tree_util.tree_leaves_with_path(metrics)}}
+        records = np.zeros(count, [(name, value.dtype, value.shape[1:]) for name, value in leaves.items()])
+        for name, value in leaves.items():
             records[name] = value
         record = io.BytesIO()
         np.save(record, records)
@@ -1910,13 +1908,11 @@ class Run:
         try:
             fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self.lock.seek(0)
-            holder = self.lock.read().strip()
+            holder = Path(self.lock.name).read_text().strip()
             self.opened.close()
             raise ConfigError(f"{self.dir} is in use by another run (process {holder})") from None
         self.lock.truncate(0)
-        self.lock.write(f"{os.getpid()}\n")
-        self.lock.flush()
+        print(os.getpid(), file=self.lock, flush=True)
         signals.last_checkpoint = self.last_checkpoint
         # The run ends after its last whole batch, as CleanRL's and PureJaxRL's do: say so if that is short.
         if config.num_updates * config.batch_size != config.total_timesteps:
@@ -1933,11 +1929,9 @@ class Run:
         # where the run reports it in one line: Python's traceback of the thread's death is left out.
         self.opened.callback(setattr, threading, "excepthook", threading.excepthook)
         threading.excepthook = lambda args, hook=threading.excepthook: None if issubclass(args.exc_type, OSError) else hook(args)
-        self.progress, self.writer, self.writers = progress, EventWriter(self.dir), []
-        if self.config.num_seeds > 1:
-            self.writers = [EventWriter(self.dir / f"agent-{i}") for i in range(min(self.config.num_seeds, AGENT_WRITERS))]
-        for writer in [self.writer, *self.writers]:
-            self.opened.callback(writer.close)
+        self.progress, self.writer = progress, self.opened.enter_context(contextlib.closing(EventWriter(self.dir)))
+        self.writers = [self.opened.enter_context(contextlib.closing(EventWriter(self.dir / f"agent-{i}")))
+                        for i in range(min(self.config.num_seeds, AGENT_WRITERS)) if self.config.num_seeds > 1]
         if not self.resumed:  # the first event: the hyperparameters, as a table in TensorBoard's text tab
             table = "\n".join(["|parameter|value|", "|-|-|", f"|env_id|{self.env_id}|",
                                *(f"|{key}|{value}|" for key, value in dataclasses.asdict(self.config).items())])
@@ -1949,8 +1943,7 @@ class Run:
         """Hand a chunk to the logging thread (`log_chunk`) once it has at most one other left to write; raise what
         those before it raised. With `checkpoint`, `(update, storable runners)`, the thread then writes it, once the
         chunk's logs are written."""
-        while len(self.logging) > 1:
-            self.logging.pop(0).result()
+        self.logged(keep=1)
         self.logging.append(self.logger.submit(self.log_and_save, self.logging[-1] if self.logging else None, chunk,
                                                checkpoint))
 
@@ -1966,9 +1959,9 @@ class Run:
             self.write_checkpoint(checkpoint_state(self.config, self.env_id, update, update * self.config.batch_size,
                                                    runners=runners))
 
-    def logged(self) -> None:
-        """Wait until the logging thread has written every chunk handed to it; raise what it raised."""
-        while self.logging:
+    def logged(self, keep: int = 0) -> None:
+        """Wait until the logging thread has at most `keep` chunks left to write; raise what those written raised."""
+        while len(self.logging) > keep:
             self.logging.pop(0).result()
 
     def last_checkpoint(self) -> Path | None:
@@ -2018,7 +2011,6 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
     `train_chunk`). (Not `jax.debug.callback` after every update: JAX's persistent compilation cache
     refuses a program with a host callback.)
     """
-    choose_device(config.device)
     run = Run(config, env_id, checkpoint, signals)
     try:
         with run.opened:  # whatever the end, what the run opened is closed here (see `Run`)
@@ -2126,14 +2118,13 @@ def start_tracking(config, name: str, job_type: str = "train"):
 
 def track_evaluation(config, returns: list[float], videos: list[Path]) -> None:
     """Send an evaluation to Weights & Biases: each episode's return, its mean, and the videos."""
-    wandb = import_wandb()
     tracking = start_tracking(config, f"eval-{Path(config.eval).parent.name}", job_type="eval")
     try:
         for episode, episode_return in enumerate(returns):
             tracking.log({"eval/episodic_return": episode_return}, step=episode)
         tracking.summary["eval/mean_return"] = float(np.mean(returns))
         if videos:
-            tracking.log({"videos": [wandb.Video(str(path), format="mp4") for path in videos]})
+            tracking.log({"videos": [import_wandb().Video(str(path), format="mp4") for path in videos]})
     finally:
         tracking.finish()
 
@@ -2196,7 +2187,6 @@ def trained_agents(config: AtariConfig, env_id: str, checkpoint: dict, path: str
 
 def evaluate_compiled(config: RunConfig, env_id: str, checkpoint: dict) -> np.ndarray:
     """`[agents, eval_episodes]` returns of the checkpoint's agents (on Atari, the scores of whole games)."""
-    choose_device(config.device)
     training, agents = trained_agents(config, env_id, checkpoint, config.eval)
     env = make_env(env_id, config.eval_episodes, config)
     # Episodes unlike the training ones: keys from another branch of the seed's key.
@@ -2346,6 +2336,7 @@ def main(argv: list[str] | None = None) -> int:
         config, checkpoint, env_id, family = parse_config(argv)
         if config.track:
             import_wandb()  # here, so that a missing wandb stops the run before it starts
+        choose_device(config.device)
         if config.eval is None:
             with Signals() as signals:
                 return train_compiled(config, env_id, checkpoint, signals)
