@@ -408,6 +408,9 @@ def test_bad_input_through_the_command_line(run, args, message):
     (["--eval", "missing.msgpack"], "checkpoint missing.msgpack does not exist"),
     (["--resume", "."], "checkpoint . is not a file"),
     (["--eval", "a.msgpack", "--resume", "b.msgpack"], "cannot be used together"),
+    (["--num-steps", "2.5"], "invalid integer value: '2.5'"),  # an integer's flag takes no fraction
+    (["--env", "Breakout", "--max-episode-frames", "38"], "--max-episode-frames 38 leaves no room to play after 30 "
+                                                           "no-ops"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message, capsys):
     try:
@@ -578,3 +581,15 @@ def test_a_trained_policy_loads_and_acts_as_the_readme_shows(trained):
         jax.tree.map(lambda value: value[agent], params), obs)[0].logits) for agent in (0, 1)]
     np.testing.assert_array_equal(act(obs, key), expected[1])
     assert not np.array_equal(expected[0], expected[1])
+
+
+def test_ctrl_c_while_evaluating_is_one_line_and_exit_130(monkeypatch, capsys):
+    # The evaluation has no `Signals`: Python's own Ctrl-C, a KeyboardInterrupt, reaches `main`.
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ppo_jax, "parse_config", lambda argv: (ppo_jax.RunConfig(eval="a.msgpack"), {}, "CartPole-v1",
+                                                               "gymnax"))
+    monkeypatch.setattr(ppo_jax, "evaluate_compiled", interrupted)
+    assert ppo_jax.main(["--eval", "a.msgpack"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["ppo_jax.py: interrupted"]
