@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from processes import alive, process_tree
-from torch_scripts import IDS, PPO_ATARI, SCRIPTS, Script
+from torch_scripts import IDS, SCRIPTS, Script
 
 
 @pytest.fixture(params=SCRIPTS, ids=IDS)
@@ -350,8 +350,7 @@ def test_a_worker_that_fails_while_training_shows_its_traceback_and_the_weights_
                                                                                          monkeypatch, capsys):
     # Each game plays 64 steps an update: its 100th step is in the second update's rollout, so the
     # weights of the first update are whole, and written before the failure is reported.
-    env_class = script.module.Game if script.module is PPO_ATARI.module else script.module.Task
-    real_step = env_class.step
+    real_step = script.env_class.step
 
     def step(self, action):
         self.steps_played = getattr(self, "steps_played", 0) + 1
@@ -359,7 +358,7 @@ def test_a_worker_that_fails_while_training_shows_its_traceback_and_the_weights_
             raise RuntimeError("the simulator broke")
         return real_step(self, action)
 
-    monkeypatch.setattr(env_class, "step", step)  # workers started by `fork` see it
+    monkeypatch.setattr(script.env_class, "step", step)  # workers started by `fork` see it
     status, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 512, "--start-method", "fork",
                                         "--run-dir", tmp_path)
     assert status == 1, stderr
@@ -374,12 +373,11 @@ def test_a_worker_that_fails_while_training_shows_its_traceback_and_the_weights_
 
 def test_ctrl_c_while_evaluating_is_one_line_and_exit_130(script, tmp_path, monkeypatch, capsys):
     assert script.run_main(capsys, *script.tiny, "--total-timesteps", 128, "--run-dir", tmp_path)[0] == 0
-    env_class = script.module.Game if script.module is PPO_ATARI.module else script.module.Task
 
     def step(self, action):
         raise KeyboardInterrupt  # what Python's own handler of Ctrl-C raises in the main thread
 
-    monkeypatch.setattr(env_class, "step", step)
+    monkeypatch.setattr(script.env_class, "step", step)
     status, _, stderr = script.run_main(capsys, "--eval", tmp_path / "checkpoint.pt", "--eval-episodes", 2)
     assert status == 130 and stderr.strip().splitlines() == ["interrupted; no checkpoint written"], stderr
 

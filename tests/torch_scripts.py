@@ -46,6 +46,11 @@ class Script:
     def path(self) -> str:
         return str(ROOT / self.name)
 
+    @property
+    def env_class(self) -> type:
+        """The class of one env of the script: ppo_atari.py's `Game`, vpg_continuous.py's `Task`."""
+        return ppo_atari.Game if self.module is ppo_atari else vpg_continuous.Task
+
     def run_main(self, capsys, *args) -> tuple[int, str, str]:
         """`main` of the script, in this process: its exit status, stdout and stderr."""
         try:
