@@ -1,5 +1,6 @@
 """docs/build.py: how it pairs prose with code, renders prose and math, and tells a stale page."""
 
+import ast
 import importlib.util
 import re
 import shutil
@@ -219,6 +220,24 @@ def test_a_docstring_with_latex_must_be_raw(tmp_path):
             def f():
                 """The ratio $\\frac{a}{b}$."""
             ''')
+
+
+def test_a_nodes_source_is_what_ast_gives_whatever_its_lines_and_letters():
+    # The build cuts each docstring from lines split once; ast.get_source_segment is the reference.
+    # Columns count bytes of UTF-8, so letters outside ASCII before a node or inside it must not shift it.
+    source = textwrap.dedent('''\
+        café = "crème"; x = 1
+        def f():
+            r"""Über $\\frac{a}{b}$,
+            and ünïcode to the end."""  # é
+            return {"ß": f(
+                1)}
+        ''')
+    lines, nodes = build.source_lines(source), list(ast.walk(ast.parse(source)))
+    assert len(nodes) > 10
+    for node in nodes:
+        if hasattr(node, "end_col_offset"):
+            assert build.source_segment(lines, node) == ast.get_source_segment(source, node), ast.dump(node)
 
 
 def test_the_index_lists_the_scripts_with_the_readme_and_shows_its_results(tmp_path):
