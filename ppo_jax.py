@@ -2019,6 +2019,11 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
             if checkpoint is not None and atari:  # its games were not saved (see `storable`): new ones, from the update's seeds
                 keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, checkpoint["update"])
             runners = jax.jit(jax.vmap(training.init))(keys)
+            # Gymnax starts some fields of its states as Python numbers (`time=0`): weakly typed arrays,
+            # which a checkpoint restores strongly typed. Typed so from the start, a resumed run runs
+            # the very program of the run it resumes (and finds it in a compilation cache).
+            runners = jax.tree.map(lambda leaf: leaf if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+                                   else leaf.astype(leaf.dtype), runners)
             if checkpoint is not None:
                 restored = restore_tree(storable(runners), checkpoint["runners"], config.resume)
                 games = runners if atari else restored

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from conftest import ROOT
+from ppo_jax_runs import environment  # noqa: F401 (a fixture)
 from processes import deadline
 
 SCRIPT = ROOT / "benchmarks" / "learning_curves.py"
@@ -66,18 +67,22 @@ def sittings(run_dir):
     return [max(step for step, _ in sitting.steps) for sitting in sorted(found, key=lambda sitting: sitting.start)]
 
 
-def stop_and_compare(tmp_path, cluster, stop_job):
+def stop_and_compare(tmp_path, cluster, stop_job, environment):
     """Two runs of the same seed submitted side by side; one of them, `stopped`, has its job stopped by
-    `stop_job(job_id)` once its first checkpoint is written. Both must end, and with the same curve."""
-    runs = tmp_path / "runs"
+    `stop_job(job_id)` once its first checkpoint is written. Both must end, and with the same curve.
+    Their jobs share a JAX compilation cache of their own, and the resumed job must find every program
+    it runs there: it runs the very programs of the job it resumes."""
+    runs, cache = tmp_path / "runs", tmp_path / "jax-cache"
+    environment = {**environment, "JAX_COMPILATION_CACHE_DIR": str(cache)}
     straight = subprocess.Popen(submit_command("straight", tmp_path, cluster), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True, env=environment)
     stopped = subprocess.Popen(submit_command("stopped", tmp_path, cluster), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, env=environment)
     run_dir = runs / "stopped" / "seed-1"
     try:
         wait_for(lambda: (run_dir / "checkpoint.msgpack").exists())
         first_job = json.loads((run_dir / "job.json").read_text())["job_id"]
+        compiled = set(cache.glob("*-cache"))  # both runs compile the same programs; none is compiled later
         stop_job(first_job)
         outputs = {name: process.communicate(timeout=400) for name, process in
                    [("straight", straight), ("stopped", stopped)]}
@@ -98,6 +103,8 @@ def stop_and_compare(tmp_path, cluster, stop_job):
     assert f": submitted as job {second_job} ({cluster}), from step {ends[0]:,}" in errors
     log = (run_dir / "learning_curves.log").read_text()
     assert "stopped at update" in log and "resumed at step" in log
+    own = sorted(path.name.rsplit("-", 2)[0] for path in set(cache.glob("*-cache")) - compiled)
+    assert compiled and not own, f"the resumed job compiled programs of its own: {own}"
     # The assembled curve is the uninterrupted run's, point for point.
     results = tmp_path / "results"
     assert score_columns(results / "stopped.csv") == score_columns(results / "straight.csv")
@@ -107,10 +114,10 @@ def stop_and_compare(tmp_path, cluster, stop_job):
     return first_job, second_job
 
 
-def test_a_job_stopped_by_sigterm_is_submitted_again_and_resumes_to_the_same_curve(tmp_path):
+def test_a_job_stopped_by_sigterm_is_submitted_again_and_resumes_to_the_same_curve(tmp_path, environment):
     # The local executor's job is its controller process: SIGTERM to it reaches the job, which passes
     # one stop request on to the script.
-    stop_and_compare(tmp_path, "local", lambda job_id: os.kill(int(job_id), signal.SIGTERM))
+    stop_and_compare(tmp_path, "local", lambda job_id: os.kill(int(job_id), signal.SIGTERM), environment)
 
 
 def test_a_failed_run_is_said_with_its_last_lines_and_never_submitted_twice(tmp_path):
@@ -247,10 +254,10 @@ def require_slurm():
         pytest.skip("no SLURM here with an idle node (benchmarks/slurm_single_node.sh starts one)")
 
 
-def test_on_a_real_slurm_a_cancelled_job_is_submitted_again_and_resumes_to_the_same_curve(tmp_path):
+def test_on_a_real_slurm_a_cancelled_job_is_submitted_again_and_resumes_to_the_same_curve(tmp_path, environment):
     require_slurm()
     # `scancel` stops a job as a time limit does: SIGTERM to each of its processes.
-    stop_and_compare(tmp_path, "slurm", lambda job_id: subprocess.run(["scancel", job_id], check=True))
+    stop_and_compare(tmp_path, "slurm", lambda job_id: subprocess.run(["scancel", job_id], check=True), environment)
 
 
 def test_a_job_slurm_refuses_is_one_line_and_status_2(tmp_path):
