@@ -19,12 +19,16 @@ SCRIPT = str(ROOT / "ppo_jax.py")
 
 @pytest.fixture(scope="module")
 def environment(tmp_path_factory):
-    """The environment of the script's runs: one JAX compilation cache for all the tests of this test
-    process (each of xdist's has its own), so that a run whose programs an earlier one compiled (the
-    same configuration in another test, say) loads them instead. It keeps every program: JAX's default
-    keeps only those that took over a second to compile, and a small run compiles a dozen of 0.1 s each."""
-    cache = tmp_path_factory.getbasetemp() / "jax-cache"
-    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    """The environment of the script's runs: one JAX compilation cache for all the tests of the session,
+    in every test process of xdist's, so that a run whose programs an earlier one compiled (the same
+    configuration in another test, say, in either process) loads them instead. It keeps every program:
+    JAX's default keeps only those that took over a second to compile, and a small run compiles a dozen
+    of 0.1 s each. A size limit (never reached) is what makes JAX lock the cache while it reads or writes
+    an entry, so that one process never reads an entry another is still writing."""
+    base = tmp_path_factory.getbasetemp()
+    cache = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax-cache"
+    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_COMPILATION_CACHE_MAX_SIZE": str(2**34)}
 
 
 @pytest.fixture(scope="module")
