@@ -801,9 +801,9 @@ def diverged(loss: jax.Array, agent: Agent, step_rms: jax.Array) -> jax.Array:
 def make_update_agent(network: nn.Module, optimizer: optax.GradientTransformation, config: Config) -> Callable:
     """`update_agent(agent, rollout, key, learning_rate, clip_range) -> (agent, metrics)`: one PPO update, pure.
 
-    The learning rate and the clip range are arguments, computed by the caller from its schedule:
-    the compiled update then does not depend on the length of the run, and a resumed run that
-    extends it reuses the same program. `metrics["losses"]` holds each term of `ppo_loss` but the
+    The learning rate and the clip range are arguments, computed by the caller from its schedule
+    (`update` in `make_train` anneals them over the run's updates), so that the update itself knows
+    nothing of the run's length. `metrics["losses"]` holds each term of `ppo_loss` but the
     total, averaged over the minibatch steps taken, and the value function's explained variance.
     """
 
