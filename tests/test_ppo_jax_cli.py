@@ -554,9 +554,9 @@ def test_gymnax_needs_neither_ale_py_nor_opencv(environment, tmp_path):
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
                               env=environment)
 
-    result = without_atari("--num-steps", 32, "--num-minibatches", 2, "--total-timesteps", 256, "--run-dir", tmp_path)
+    result = without_atari(*SMALL, "--run-dir", tmp_path)  # the programs of `trained`, found in the cache
     assert result.returncode == 0, result.stderr
-    assert "done: 256 steps" in result.stderr and (tmp_path / "checkpoint.msgpack").is_file()
+    assert "done: 4,096 steps" in result.stderr and (tmp_path / "checkpoint.msgpack").is_file()
     result = without_atari("--env", "Breakout")
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "unknown environment 'Breakout'" in result.stderr and "Atari games need ale-py" in result.stderr
