@@ -2022,8 +2022,7 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
             # Gymnax starts some fields of its states as Python numbers (`time=0`): weakly typed arrays,
             # which a checkpoint restores strongly typed. Typed so from the start, a resumed run runs
             # the very program of the run it resumes (and finds it in a compilation cache).
-            runners = jax.tree.map(lambda leaf: leaf if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-                                   else leaf.astype(leaf.dtype), runners)
+            runners = runners._replace(env_state=jax.tree.map(lambda field: field.astype(field.dtype), runners.env_state))
             if checkpoint is not None:
                 restored = restore_tree(storable(runners), checkpoint["runners"], config.resume)
                 games = runners if atari else restored
