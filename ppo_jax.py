@@ -964,6 +964,9 @@ def make_train(config: Config, env_id: str | None = None, conv: Callable[..., nn
     def init(key: jax.Array) -> Runner:
         key, network_key, env_key = jax.random.split(key, 3)
         obs, env_state = env.reset(env_key)
+        # Gymnax starts some fields as Python numbers (`time=0`), weakly typed; typed as a checkpoint
+        # restores them, a resumed run compiles the very programs of the run it resumes.
+        env_state = jax.tree.map(lambda field: field.astype(field.dtype), env_state)
         # Continuous actions: observations normalised and rewards scaled from the first step (see `Normalizer`).
         normalizer, obs = Normalizer.start(obs) if env.continuous else (None, obs)
         params = init_params(network_key, obs)
@@ -2019,10 +2022,6 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
             if checkpoint is not None and atari:  # its games were not saved (see `storable`): new ones, from the update's seeds
                 keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, checkpoint["update"])
             runners = jax.jit(jax.vmap(training.init))(keys)
-            # Gymnax starts some fields of its states as Python numbers (`time=0`): weakly typed arrays,
-            # which a checkpoint restores strongly typed. Typed so from the start, a resumed run runs
-            # the very program of the run it resumes (and finds it in a compilation cache).
-            runners = runners._replace(env_state=jax.tree.map(lambda field: field.astype(field.dtype), runners.env_state))
             if checkpoint is not None:
                 restored = restore_tree(storable(runners), checkpoint["runners"], config.resume)
                 games = runners if atari else restored

@@ -61,10 +61,7 @@ def measure_programs(ppo_jax, seeds: int, updates: int, count: int) -> dict:
     jax.block_until_ready(whole(keys))
     result = {"updates": updates, "whole_ms_per_update": 1e3 * (time.perf_counter() - started) / updates}
     mesh = ppo_jax.seed_mesh(seeds)
-    runners = jax.jit(jax.vmap(training.init))(keys)
-    # Typed as the command line types them (`train_compiled`), so that the chunk program is the very one it runs.
-    runners = runners._replace(env_state=jax.tree.map(lambda field: field.astype(field.dtype), runners.env_state))
-    runners = jax.device_put(runners, ppo_jax.split_over_seeds(mesh))
+    runners = jax.device_put(jax.jit(jax.vmap(training.init))(keys), ppo_jax.split_over_seeds(mesh))
     chunk = ppo_jax.compile_train_chunk(training, LENGTH, runners, mesh)
     jax.block_until_ready(chunk(runners, jnp.int32(1)))
     for size in (LENGTH, count):
