@@ -1853,7 +1853,7 @@ def train(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict | 
             trainer = RunTrainer(config, envs, device) if ranks.size == 1 else DataParallelRunTrainer(config, envs, device, ranks)
             if checkpoint is not None:
                 restore_checkpoint(trainer, checkpoint, config.resume, ranks)
-            progress = Progress(config.total_timesteps, trainer.global_step)
+            progress = Progress(trainer.num_updates * trainer.steps_per_update, trainer.global_step)
             progress.returns.extend(checkpoint.get("recent_returns", []) if checkpoint else [])
             if ranks.is_main:  # wandb first, so that it syncs the writer's events
                 tracking = opened.enter_context(start_tracking(config, run_dir.name)) if config.track else None

@@ -89,3 +89,11 @@ def test_without_run_dir_a_run_goes_to_runs_named_by_env_seed_and_time(script, t
     [run_dir] = (tmp_path / "runs").iterdir()
     assert re.fullmatch(rf"{env}__5__\d{{8}}-\d{{6}}", run_dir.name), run_dir.name
     assert (run_dir / "checkpoint.pt").is_file()
+
+
+def test_the_progress_line_counts_the_steps_the_run_will_take(script, tmp_path, capsys):
+    # --total-timesteps 300 with updates of 128 steps is 2 whole updates: the run takes 256 steps, and
+    # its last line says so, at 100%, rather than stopping at 85% of a total it never meant to reach.
+    status, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 300, "--run-dir", tmp_path)
+    assert status == 0, stderr
+    assert "step 256/256 (100.0%)" in stderr and "done: 256 steps" in stderr and "/300" not in stderr
