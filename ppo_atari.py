@@ -69,7 +69,6 @@ import copy
 import ctypes
 import dataclasses
 import difflib
-import errno
 import fcntl
 import fractions
 import functools
@@ -1544,8 +1543,9 @@ class RunTrainer(FastSamplingTrainer):
 # A checkpoint holds all the state of training: the model, Adam's moments, the counters, the
 # random state of every rank and the configuration. The games themselves restart on resume; their
 # emulator state is not saved. It is written to a temporary file of this process's own, then
-# renamed over the last one, so a crash never leaves half a file; a full disk is one line naming
-# the checkpoint that is still whole. It is read with `weights_only=True`: tensors and plain data.
+# renamed over the last one, so a crash never leaves half a file; a write that fails (on a full
+# disk, say) is one line naming the checkpoint that is still whole. It is read with
+# `weights_only=True`: tensors and plain data.
 
 
 CHECKPOINT_FORMAT = "ppo_atari/1"
@@ -1579,8 +1579,8 @@ def restore_checkpoint(trainer: Trainer, checkpoint: dict, path: str, ranks: Ran
         torch.cuda.set_rng_state(checkpoint["cuda_rng"][ranks.rank], trainer.device)
 
 
-class DiskFull(Exception):
-    """A checkpoint could not be written for want of space; the previous one is intact."""
+class CheckpointNotWritten(Exception):
+    """A checkpoint could not be written (a full disk, say); the previous one is intact."""
 
 
 def save_checkpoint(state: dict, path: Path) -> None:
@@ -1594,9 +1594,10 @@ def save_checkpoint(state: dict, path: Path) -> None:
         os.replace(temporary, path)
     except BaseException as error:
         temporary.unlink(missing_ok=True)
-        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-            raise DiskFull(f"no space left on device while writing {path}; the last checkpoint is "
-                           f"{path if path.is_file() else 'none was written'}") from None
+        if isinstance(error, OSError):  # the system's words, as "no space left on device" or "disk quota exceeded"
+            reason = error.strerror or str(error)
+            raise CheckpointNotWritten(f"{reason[:1].lower()}{reason[1:]} while writing {path}; the last "
+                                       f"checkpoint is {path if path.is_file() else 'none was written'}") from None
         raise
 
 
@@ -2218,7 +2219,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
-    except DiskFull as error:
+    except CheckpointNotWritten as error:
         print(f"\n{prog}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # before the run began (reading the checkpoint, say), or while evaluating

@@ -84,7 +84,6 @@ import contextlib
 import ctypes
 import dataclasses
 import difflib
-import errno
 import fcntl
 import fractions
 import functools
@@ -1492,8 +1491,8 @@ class RunTrainer(Trainer):
 # statistics of observations and rewards, the counters, the random state of every rank and the
 # configuration. The envs themselves restart on resume; their simulator state is not saved. It is
 # written to a temporary file of this process's own, then renamed over the last one, so a crash
-# never leaves half a file; a full disk is one line naming the checkpoint that is still whole. It is
-# read with `weights_only=True`: tensors and plain data.
+# never leaves half a file; a write that fails (on a full disk, say) is one line naming the
+# checkpoint that is still whole. It is read with `weights_only=True`: tensors and plain data.
 
 
 CHECKPOINT_FORMAT = "vpg_continuous/1"
@@ -1532,8 +1531,8 @@ def restore_checkpoint(trainer: Trainer, checkpoint: dict, path: str = "(in memo
         torch.cuda.set_rng_state(checkpoint["cuda_rng"][ranks.rank], trainer.device)
 
 
-class DiskFull(Exception):
-    """A checkpoint could not be written for want of space; the previous one is intact."""
+class CheckpointNotWritten(Exception):
+    """A checkpoint could not be written (a full disk, say); the previous one is intact."""
 
 
 def save_checkpoint(state: dict, path: Path) -> None:
@@ -1547,9 +1546,10 @@ def save_checkpoint(state: dict, path: Path) -> None:
         os.replace(temporary, path)
     except BaseException as error:
         temporary.unlink(missing_ok=True)
-        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-            raise DiskFull(f"no space left on device while writing {path}; the last checkpoint is "
-                           f"{path if path.is_file() else 'none was written'}") from None
+        if isinstance(error, OSError):  # the system's words, as "no space left on device" or "disk quota exceeded"
+            reason = error.strerror or str(error)
+            raise CheckpointNotWritten(f"{reason[:1].lower()}{reason[1:]} while writing {path}; the last "
+                                       f"checkpoint is {path if path.is_file() else 'none was written'}") from None
         raise
 
 
@@ -2241,7 +2241,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
-    except DiskFull as error:
+    except CheckpointNotWritten as error:
         print(f"\n{prog}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # before the run began (reading the checkpoint, say), or while evaluating

@@ -266,14 +266,20 @@ def test_a_run_dir_that_cannot_be_written_in_is_refused(script, tmp_path, capsys
 # ## A full disk
 
 
-def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(script, tmp_path, monkeypatch, capsys):
+# A full disk, a quota on a cluster's shared file system, a disk that fails: each is the system's own words in
+# one line, naming the checkpoint that is still whole.
+@pytest.mark.parametrize("code, words", [(errno.ENOSPC, "no space left on device"),
+                                         (errno.EDQUOT, "disk quota exceeded"), (errno.EIO, "input/output error")],
+                         ids=["ENOSPC", "EDQUOT", "EIO"])
+def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(script, code, words, tmp_path, monkeypatch,
+                                                                    capsys):
     real_replace = os.replace
     written = []
 
     def replace_until_the_disk_fills(source, destination):
         written.append(source)
         if len(written) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device", str(source))
+            raise OSError(code, os.strerror(code), str(source))
         return real_replace(source, destination)
 
     monkeypatch.setattr(script.module.os, "replace", replace_until_the_disk_fills)
@@ -281,7 +287,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(script, tmp_p
                                         "--run-dir", tmp_path)
     assert status == 1 and "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == (
-        f"{script.name}: error: no space left on device while writing {tmp_path / 'checkpoint.pt'}; "
+        f"{script.name}: error: {words} while writing {tmp_path / 'checkpoint.pt'}; "
         f"the last checkpoint is {tmp_path / 'checkpoint.pt'}")
     assert str(os.getpid()) in str(written[0])  # a temporary file of this process's own
     assert not list(tmp_path.glob("*.tmp"))
