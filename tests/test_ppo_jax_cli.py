@@ -300,6 +300,24 @@ def test_eval_records_the_first_agents_episodes(trained, run, tmp_path):
     assert sum(frames) == round(2 * mean_return) and all(frame_count > 1 for frame_count in frames)
 
 
+def test_a_minatar_frame_is_its_grid_a_colour_a_cell():
+    # MinAtar is drawn as its 10 x 10 grid, 20 pixels a cell: black where no channel is set, else the colour of the
+    # highest channel set, a different one for each.
+    env = ppo_jax.make_env("Breakout-MinAtar", 1, ppo_jax.Config())
+    state = jax.tree.map(lambda value: value[0], env.reset(jax.random.key(0))[1])
+    grid = np.asarray(env.env.get_obs(state, env.params))
+    frame = ppo_jax.render_gymnax("Breakout-MinAtar", env, state)
+    assert frame.shape == (200, 200, 3) and frame.dtype == np.uint8
+    cells = frame[::20, ::20]
+    assert (frame.reshape(10, 20, 10, 20, 3) == cells[:, None, :, None]).all()
+    np.testing.assert_array_equal(cells.any(axis=-1), grid.any(axis=-1))
+    highest = np.where(grid.any(axis=-1), grid.shape[-1] - np.argmax(grid[..., ::-1], axis=-1), 0)
+    colours = {channel: {tuple(cells[row, column]) for row, column in zip(*np.nonzero(highest == channel))}
+               for channel in np.unique(highest)}
+    assert len(colours) > 2 and all(len(seen) == 1 for seen in colours.values())
+    assert len({seen.pop() for seen in colours.values()}) == len(colours)
+
+
 def test_training_records_an_episode_of_the_first_agent_at_each_checkpoint(run, tmp_path):
     # 16 updates, a checkpoint every 8: two videos, each a whole CartPole episode of agent 0's policy
     # as it was then (a frame per step, the first state included, the last step's reset not).
