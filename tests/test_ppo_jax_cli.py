@@ -1,6 +1,7 @@
 """ppo_jax.py on gymnax environments, through its command line as a user runs it, and its checkpoints."""
 
 import dataclasses
+import io
 import signal
 import subprocess
 import sys
@@ -81,6 +82,20 @@ def test_the_run_logs_the_agents_spread_and_every_agent_in_one_file(trained):
         ended = series["episodes"][:, agent] > 0
         np.testing.assert_allclose(series["episodic_return"][ended, agent],
                                    [value for _, value in agents[agent]["charts/episodic_return"]], rtol=1e-6)
+
+
+def test_a_record_torn_by_a_crash_is_left_out_and_the_rest_read(trained, tmp_path):
+    # Each chunk's record is written in one piece, so a crash tears at most the last: reading stops before it.
+    whole = (trained[0] / ppo_jax.AGENTS_FILE).read_bytes()
+    stream = io.BytesIO(whole)
+    np.load(stream)
+    record, torn = whole[:stream.tell()], tmp_path / ppo_jax.AGENTS_FILE  # a chunk's record, and a file to tear
+    for cut in (10, len(record) // 2, len(record) - 1):
+        torn.write_bytes(whole + record[:cut])
+        series, expected = ppo_jax.read_agent_series(torn), ppo_jax.read_agent_series(trained[0] / ppo_jax.AGENTS_FILE)
+        assert series.keys() == expected.keys()
+        for name, values in expected.items():
+            np.testing.assert_array_equal(series[name], values)
 
 
 def test_only_the_first_agents_get_writers_of_their_own(environment, tmp_path):
