@@ -73,6 +73,7 @@ import fcntl
 import fractions
 import functools
 import inspect
+import io
 import math
 import multiprocessing as mp
 import os
@@ -1579,26 +1580,37 @@ def restore_checkpoint(trainer: Trainer, checkpoint: dict, path: str, ranks: Ran
         torch.cuda.set_rng_state(checkpoint["cuda_rng"][ranks.rank], trainer.device)
 
 
-class CheckpointNotWritten(Exception):
-    """A checkpoint could not be written (a full disk, say); the previous one is intact."""
+class WriteFailed(Exception):
+    """A file of the run could not be written (a full disk, say); the last checkpoint is whole."""
+
+
+@contextlib.contextmanager
+def written(path: Path, *checkpoints: Path | str | None):
+    """Raise an `OSError` of the block again as `WriteFailed`, in one line: the system's words ("no space left on
+    device", "disk quota exceeded"), `path`, what could not be written, and the last of `checkpoints` there is."""
+    try:
+        yield
+    except OSError as error:
+        reason = error.strerror or str(error)
+        last = last_checkpoint(*checkpoints)
+        raise WriteFailed(f"{reason[:1].lower()}{reason[1:]} while writing {path}; "
+                          + (f"the last checkpoint is {last}" if last else "none was written")) from None
 
 
 def save_checkpoint(state: dict, path: Path) -> None:
     """Write `state` to `path` atomically: to a temporary file, removed if the write fails, then renamed over it."""
+    serialized = io.BytesIO()  # in memory first: written by torch, a full disk is a RuntimeError of its zip writer
+    torch.save(state, serialized)
     temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        with open(temporary, "wb") as file:
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException as error:
-        temporary.unlink(missing_ok=True)
-        if isinstance(error, OSError):  # the system's words, as "no space left on device" or "disk quota exceeded"
-            reason = error.strerror or str(error)
-            raise CheckpointNotWritten(f"{reason[:1].lower()}{reason[1:]} while writing {path}; the last "
-                                       f"checkpoint is {path if path.is_file() else 'none was written'}") from None
-        raise
+        with written(path, path):
+            with open(temporary, "wb") as file:
+                file.write(serialized.getbuffer())
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)  # what a failure left behind; after the rename, there is none
 
 
 def last_checkpoint(*paths: Path | str | None) -> Path | None:
@@ -1899,6 +1911,12 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
             progress.scores.extend(checkpoint.get("recent_scores", []) if checkpoint else [])
             if ranks.is_main:  # wandb first, so that it syncs the writer's events
                 tracking = opened.enter_context(start_tracking(config, run_dir.name)) if config.track else None
+                # TensorBoard's writer writes from a thread. What it cannot write (on a full disk, say), it raises
+                # again at its next event and as it closes; the run then ends in one line (`written`), and Python's
+                # traceback of the thread's death is left out.
+                opened.callback(setattr, threading, "excepthook", threading.excepthook)
+                threading.excepthook = lambda args, hook=threading.excepthook: None if issubclass(args.exc_type, OSError) else hook(args)
+                opened.enter_context(written(run_dir, checkpoint_path, config.resume))
                 writer = opened.enter_context(SummaryWriter(str(run_dir)))
                 if checkpoint is None:
                     with signals.held():
@@ -2219,7 +2237,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
-    except CheckpointNotWritten as error:
+    except WriteFailed as error:
         print(f"\n{prog}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # before the run began (reading the checkpoint, say), or while evaluating

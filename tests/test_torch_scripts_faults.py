@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 import typing
 
@@ -292,6 +293,36 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(script, code,
     assert str(os.getpid()) in str(written[0])  # a temporary file of this process's own
     assert not list(tmp_path.glob("*.tmp"))
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] == 1
+
+
+def test_a_really_full_disk_is_one_line_and_keeps_the_last_checkpoint(script, tmp_path):
+    # Filesystems of their own, mounted in a namespace of this test's (where the system allows it). On the first, the
+    # first checkpoint fits and a second beside it does not (written by torch straight to the file, a full disk was a
+    # RuntimeError of its zip writer); on the second, 8 kB, TensorBoard's events fill it before any checkpoint is due
+    # (its writer's thread died of it, and the run ended in two tracebacks).
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no user namespaces here to mount a small filesystem in")
+    first_fits = {"ppo_atari.py": "30m", "vpg_continuous.py": "700k"}[script.name]  # its checkpoint: 20 MB, 430 kB
+    for size, steps, every in [(first_fits, 1280, 1), ("8k", 12800, 1000)]:
+        disk = tmp_path / f"disk-{size}"
+        disk.mkdir()
+        run, args = disk / "run", " ".join(map(str, script.tiny))
+        command = (f"mount -t tmpfs -o size={size} tmpfs {disk} && {sys.executable} {script.path} {args} "
+                   f"--total-timesteps {steps} --checkpoint-every {every} --run-dir {run}; echo status $?; ls {run}")
+        if every == 1:  # the update of the checkpoint left, read back
+            command += f"; {sys.executable} -c 'import torch; print(torch.load(\"{run}/checkpoint.pt\")[\"update\"])'"
+        result = subprocess.run(["unshare", "-rm", "sh", "-c", command], capture_output=True, text=True, timeout=300)
+        assert "Traceback" not in result.stderr and "Exception in thread" not in result.stderr, result.stderr
+        status, *files = result.stdout.split()
+        assert status == "status" and files[0] == "1" and not [name for name in files if name.endswith(".tmp")]
+        line = [line for line in result.stderr.splitlines() if line.startswith(script.name)][0]
+        if every == 1:
+            assert line == (f"{script.name}: error: no space left on device while writing {run}/checkpoint.pt; "
+                            f"the last checkpoint is {run}/checkpoint.pt")
+            assert files[-1] == "1"  # the first checkpoint, whole
+        else:
+            assert line == f"{script.name}: error: no space left on device while writing {run}; none was written"
+            assert "checkpoint.pt" not in files
 
 
 # ## Two runs, one directory

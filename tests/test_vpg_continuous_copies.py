@@ -180,7 +180,7 @@ SAME_TEXT = [
     # Part 2
     "WorkerError", "numpy_views",
     # Part 3: the command line, checkpoints and faults, logging, signals, the run, tracking, video
-    "RUN_OPTIONS", "ConfigError", "field_docs", "parse_int", "OneLineParser", "flag", "parse_config", "CheckpointNotWritten", "save_checkpoint",
+    "RUN_OPTIONS", "ConfigError", "field_docs", "parse_int", "OneLineParser", "flag", "parse_config", "WriteFailed", "written", "save_checkpoint",
     "last_checkpoint", "writable_dir", "run_dir_lock", "format_duration", "default_run_dir", "timer", "Aborted", "Stopped", "Signals",
     "import_wandb", "start_tracking", "send_new_videos", "Video",
     # Part 4
