@@ -2149,10 +2149,10 @@ class Video:
     def close(self) -> None:
         """Encode the frames x264 still holds and finish the file; a second call does nothing."""
         if self.file is not None:
+            file, self.file = self.file, None  # first: a close that failed (on a full disk, say) is not tried again
             if self.shape is not None:
-                self.file.mux(self.stream.encode())
-            self.file.close()
-            self.file = None
+                file.mux(self.stream.encode())
+            file.close()
 
 
 def records_game(index: int) -> bool:
@@ -2230,7 +2230,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"not {game_name(env_id)}")
         if config.eval is None:
             return train(config, env_id, checkpoint)
-        scores = evaluate(config, env_id, checkpoint)
+        with written(Path(config.run_dir or Path(config.eval).parent) / "videos", config.eval):  # its videos
+            scores = evaluate(config, env_id, checkpoint)
         print(f"{env_id}: {len(scores)} games, score {np.mean(scores):.1f} ± {np.std(scores):.1f} "
               f"(min {min(scores):g}, max {max(scores):g})")
         return 0

@@ -2297,10 +2297,10 @@ class Video:
     def close(self) -> None:
         """Encode the frames x264 still holds and finish the file; a second call does nothing."""
         if self.file is not None:
+            file, self.file = self.file, None  # first: a close that failed (on a full disk, say) is not tried again
             if self.shape is not None:
-                self.file.mux(self.stream.encode())
-            self.file.close()
-            self.file = None
+                file.mux(self.stream.encode())
+            file.close()
 
 
 def describe_returns(returns: np.ndarray) -> str:
@@ -2356,6 +2356,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before training began (while compiling, say): nothing to save
         print(f"\n{PROG}: interrupted", file=sys.stderr)
         return 130
+    except OSError as error:  # a video of --eval that could not be written, on a full disk, say (training reports its own)
+        print(f"\n{PROG}: error: {error.strerror[:1].lower()}{error.strerror[1:]} while writing {error.filename}",
+              file=sys.stderr)
+        return 1
 
 
 # ## Part 4: More than one device

@@ -2150,10 +2150,10 @@ class Video:
     def close(self) -> None:
         """Encode the frames x264 still holds and finish the file; a second call does nothing."""
         if self.file is not None:
+            file, self.file = self.file, None  # first: a close that failed (on a full disk, say) is not tried again
             if self.shape is not None:
-                self.file.mux(self.stream.encode())
-            self.file.close()
-            self.file = None
+                file.mux(self.stream.encode())
+            file.close()
 
 
 def records_episode(index: int) -> bool:
@@ -2252,7 +2252,8 @@ def main(argv: list[str] | None = None) -> int:
         spaces = describe_env(env_id)
         if config.eval is None:
             return train(config, env_id, spaces, checkpoint)
-        returns = evaluate(config, env_id, checkpoint)
+        with written(Path(config.run_dir or Path(config.eval).parent) / "videos", config.eval):  # its videos
+            returns = evaluate(config, env_id, checkpoint)
         print(f"{env_id}: {len(returns)} episodes, return {np.mean(returns):.1f} ± {np.std(returns):.1f} "
               f"(min {min(returns):.1f}, max {max(returns):.1f})")
         return 0

@@ -264,6 +264,21 @@ def test_a_really_full_disk(small, environment, tmp_path):
     assert not [name for name in files[1:] if name.endswith(".tmp")]
 
 
+def test_eval_videos_on_a_really_full_disk_are_one_line(small, environment, tmp_path):
+    # A filesystem of 4 kB: the first episode's video does not fit.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no user namespaces here to mount a small filesystem in")
+    command = (f"mount -t tmpfs -o size=4k tmpfs {disk} && {sys.executable} {SCRIPT} --eval {small[0]} "
+               f"--eval-episodes 2 --capture-video --run-dir {disk}/eval; echo status $?")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", command], capture_output=True, text=True, cwd=ROOT,
+                            env=environment, timeout=300)
+    assert "Traceback" not in result.stderr and result.stdout.split() == ["status", "1"], result.stderr
+    assert result.stderr.strip().splitlines()[-1] == ("ppo_jax.py: error: no space left on device while writing "
+                                                      f"{disk}/eval/videos/eval-CartPole-v1-episode00.mp4")
+
+
 # ## A diverging run
 
 

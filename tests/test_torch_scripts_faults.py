@@ -295,7 +295,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(script, code,
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] == 1
 
 
-def test_a_really_full_disk_is_one_line_and_keeps_the_last_checkpoint(script, tmp_path):
+def test_a_really_full_disk_is_one_line_and_keeps_the_last_checkpoint(script, tmp_path, capsys):
     # Filesystems of their own, mounted in a namespace of this test's (where the system allows it). On the first, the
     # first checkpoint fits and a second beside it does not (written by torch straight to the file, a full disk was a
     # RuntimeError of its zip writer); on the second, 8 kB, TensorBoard's events fill it before any checkpoint is due
@@ -323,6 +323,18 @@ def test_a_really_full_disk_is_one_line_and_keeps_the_last_checkpoint(script, tm
         else:
             assert line == f"{script.name}: error: no space left on device while writing {run}; none was written"
             assert "checkpoint.pt" not in files
+    # --eval's videos, on 16 kB: the first game's does not fit. (vpg_continuous.py closes that video again as it
+    # closes its tasks: the second close now does nothing, where it raised an error of its own over the first.)
+    trained = tmp_path / "trained"
+    assert script.run_main(capsys, *script.tiny, "--total-timesteps", 128, "--run-dir", trained)[0] == 0
+    disk = tmp_path / "disk-eval"
+    disk.mkdir()
+    command = (f"mount -t tmpfs -o size=16k tmpfs {disk} && {sys.executable} {script.path} --eval {trained}/checkpoint.pt "
+               f"--eval-episodes 2 --capture-video --run-dir {disk}/eval; echo status $?")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", command], capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in result.stderr and result.stdout.split() == ["status", "1"], result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (f"{script.name}: error: no space left on device while writing "
+                                                      f"{disk}/eval/videos; the last checkpoint is {trained}/checkpoint.pt")
 
 
 # ## Two runs, one directory
