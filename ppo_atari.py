@@ -2088,14 +2088,15 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
         games = [RecordedGame(game, video_dir, f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4",
                               60 / config.frame_skip) for index, game in enumerate(games)]
     scores: dict[int, float] = {}
-    for game in games:
-        game.reset()
-    while len(scores) < len(games):
-        playing = [index for index in range(len(games)) if index not in scores]
-        for index, action in zip(playing, policy.act(np.stack([games[index].obs for index in playing]))):
-            step = games[index].step(int(action))
-            if step.game_over:
-                scores[index] = step.score
+    with written(video_dir, config.eval):  # a video that cannot be written (on a full disk, say) is one line
+        for game in games:
+            game.reset()
+        while len(scores) < len(games):
+            playing = [index for index in range(len(games)) if index not in scores]
+            for index, action in zip(playing, policy.act(np.stack([games[index].obs for index in playing]))):
+                step = games[index].step(int(action))
+                if step.game_over:
+                    scores[index] = step.score
     videos = [video_dir / game.name for game in games] if config.capture_video else []
     if videos:
         print(f"videos in {video_dir}", file=sys.stderr)
@@ -2230,8 +2231,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"not {game_name(env_id)}")
         if config.eval is None:
             return train(config, env_id, checkpoint)
-        with written(Path(config.run_dir or Path(config.eval).parent) / "videos", config.eval):  # its videos
-            scores = evaluate(config, env_id, checkpoint)
+        scores = evaluate(config, env_id, checkpoint)
         print(f"{env_id}: {len(scores)} games, score {np.mean(scores):.1f} ± {np.std(scores):.1f} "
               f"(min {min(scores):g}, max {max(scores):g})")
         return 0

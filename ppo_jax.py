@@ -1580,6 +1580,12 @@ def save_checkpoint(state: dict, path: Path) -> None:
         temporary.unlink(missing_ok=True)  # what a failure left behind; after the rename, there is none
 
 
+def unwritten(error: OSError) -> str:
+    """An `OSError` of a file the run writes (`naming` names it), in the words of the run's last line."""
+    reason = error.strerror or str(error)
+    return f"{reason[:1].lower()}{reason[1:]} while writing {error.filename}"
+
+
 @contextlib.contextmanager
 def naming(path: Path) -> typing.Iterator[None]:
     """Raise an `OSError` of the block again, naming `path`: the file (or directory) that could not be written,
@@ -2082,8 +2088,7 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
                 print(f"\n{error}; " + (f"the last good checkpoint is {last}" if last else "no checkpoint was written"),
                       file=sys.stderr)
             else:  # a file of the run could not be written, on a full disk, say; what was written before is whole
-                reason = error.strerror[0].lower() + error.strerror[1:] if error.strerror else str(error)
-                print(f"\n{PROG}: error: {reason} while writing {error.filename}; "
+                print(f"\n{PROG}: error: {unwritten(error)}; "
                       + (f"the last checkpoint is {last}" if last else "none was written"), file=sys.stderr)
         return 1
     with signals.writing:  # a second Ctrl-C's line, if it comes now, is the last (see `Signals`)
@@ -2357,8 +2362,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{PROG}: interrupted", file=sys.stderr)
         return 130
     except OSError as error:  # a video of --eval that could not be written, on a full disk, say (training reports its own)
-        print(f"\n{PROG}: error: {error.strerror[:1].lower()}{error.strerror[1:]} while writing {error.filename}",
-              file=sys.stderr)
+        print(f"\n{PROG}: error: {unwritten(error)}", file=sys.stderr)
         return 1
 
 

@@ -2039,21 +2039,22 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
                           f"eval-{gym.spec(env_id).name}-episode{index:02d}.mp4") if config.capture_video
              else Task(env_id, seed, config.max_episode_steps) for index, seed in enumerate(seeds)]
     returns, started = {}, time.perf_counter()
-    try:
-        for task in tasks:
-            task.reset()
-        while len(returns) < len(tasks):
-            playing = [index for index in range(len(tasks)) if index not in returns]
-            actions = policy.act(np.stack([tasks[index].obs for index in playing]), config.eval_deterministic)
-            for index, action in zip(playing, actions):
-                step = tasks[index].step(action)
-                if step.terminated or step.truncated:
-                    returns[index] = step.episode_return
-                    print(f"episode {len(returns)}/{len(tasks)}: return {step.episode_return:.1f} "
-                          f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
-    finally:
-        for task in tasks:
-            task.close()
+    with written(video_dir, config.eval):  # a video that cannot be written (on a full disk, say) is one line
+        try:
+            for task in tasks:
+                task.reset()
+            while len(returns) < len(tasks):
+                playing = [index for index in range(len(tasks)) if index not in returns]
+                actions = policy.act(np.stack([tasks[index].obs for index in playing]), config.eval_deterministic)
+                for index, action in zip(playing, actions):
+                    step = tasks[index].step(action)
+                    if step.terminated or step.truncated:
+                        returns[index] = step.episode_return
+                        print(f"episode {len(returns)}/{len(tasks)}: return {step.episode_return:.1f} "
+                              f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+        finally:
+            for task in tasks:
+                task.close()
     videos = [video_dir / task.name for task in tasks] if config.capture_video else []
     if videos:
         print(f"videos in {video_dir}", file=sys.stderr)
@@ -2252,8 +2253,7 @@ def main(argv: list[str] | None = None) -> int:
         spaces = describe_env(env_id)
         if config.eval is None:
             return train(config, env_id, spaces, checkpoint)
-        with written(Path(config.run_dir or Path(config.eval).parent) / "videos", config.eval):  # its videos
-            returns = evaluate(config, env_id, checkpoint)
+        returns = evaluate(config, env_id, checkpoint)
         print(f"{env_id}: {len(returns)} episodes, return {np.mean(returns):.1f} ± {np.std(returns):.1f} "
               f"(min {min(returns):.1f}, max {max(returns):.1f})")
         return 0
