@@ -1110,8 +1110,8 @@ class Workers:
 #   graph: one launch for its few dozen small kernels, whose launches cost more than their work
 #   (0.12 ms a step for 8 games instead of 0.68 ms, on an H200). Each minibatch step of the update
 #   is replayed from another graph, for the same reason (an update of 8 games took 30 ms instead of
-#   89 ms on an H200, where training with the sampling graph alone ran at 0.67 of the workers'
-#   speed alone at 8 games and 0.84 at 32).
+#   about 90 ms on an H200). With both graphs, training on an H200 ran at 0.78 of the workers' speed
+#   alone at 8 games and 0.89 at 32 (0.62 and 0.82 with the update's steps launched one by one).
 #
 # Double-buffered sampling, half of the games stepping while the network chooses for the other
 # half, was tried and measured slower on both kinds of machine: 1,047 steps/s against 1,307 in turns

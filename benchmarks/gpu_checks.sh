@@ -4,10 +4,9 @@
 #   bash benchmarks/gpu_checks.sh pytorch     (at most 9 minutes: the limits of its steps)
 #   bash benchmarks/gpu_checks.sh jax         (at most 7.5 minutes)
 #
-# Two calls, since a lent machine runs one command for at most 10 minutes; `all` runs both. On an
-# NVIDIA H200 (2026-11-26) the steps took about 430 s in all, over two calls with the installs (the
-# training step without `--eager-update`, the chunks step not yet there): `all` in one call of 600 s
-# saves a machine's start, and each step's limit still stops one that hangs.
+# A lent machine runs one command for at most 10 minutes; `all` runs both parts in one. On an NVIDIA
+# H200 (2026-11-27) `all` took 457 s with the installs (the steps: 151, 21, 120, 99, 35 and 29 s),
+# so one call of 600 s saves a machine's start, and each step's limit still stops one that hangs.
 #
 # pytorch: ppo_atari.py's training speed on CUDA beside its workers alone, at 8 and 32 games
 #          (issue 41: training at least 0.7 of the workers, the rollout alone at least 0.8), and
