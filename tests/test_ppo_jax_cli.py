@@ -181,8 +181,10 @@ def test_a_chunk_that_waited_for_the_host_does_not_shrink_the_next(monkeypatch, 
     assert counts[1:-1] == sorted(counts[1:-1]), counts  # the last is what was left
 
 
-def test_a_checkpoint_of_the_former_convolutions_is_refused(trained, tmp_path, capsys):
+def test_a_checkpoint_of_the_former_convolutions_is_refused(trained, tmp_path, capsys, monkeypatch):
     run_dir, _ = trained
+    compiled = []  # a resumed run checks the checkpoint before its chunks' program begins to compile (seconds)
+    monkeypatch.setattr(ppo_jax, "compile_train_chunk", lambda *args: compiled.append(args))
     checkpoint = read_checkpoint(run_dir / "checkpoint.msgpack")
     # The MinAtar CNN's parameters as the version before nn.Conv named and shaped them.
     checkpoint["runners"]["agent"]["params"]["params"] = {
@@ -196,6 +198,7 @@ def test_a_checkpoint_of_the_former_convolutions_is_refused(trained, tmp_path, c
         assert ppo_jax.main(flags) == 2
         error = capsys.readouterr().err
         assert error.count("\n") == 1 and f"checkpoint {old} holds a different network" in error
+    assert not compiled
 
 
 def test_checkpoint_holds_every_agent_and_its_environments(trained):
