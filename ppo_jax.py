@@ -2027,17 +2027,17 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
             keys, atari = agent_keys(config), isinstance(training.env, AtariEnv)
             if checkpoint is not None and atari:  # its games were not saved (see `storable`): new ones, from the update's seeds
                 keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, checkpoint["update"])
-            # The agents are placed over the devices; everything computed from them stays where they are. The
-            # chunks' program needs only their shapes: it compiles in a thread while this one makes the agents
-            # (XLA lets go of Python's lock as it compiles), seconds each for thousands of agents.
-            shapes, mesh = jax.eval_shape(jax.vmap(training.init), keys), seed_mesh(config.num_seeds)
+            # The chunks' program needs only the runners' shapes: it compiles in a thread while this one makes
+            # the agents (XLA lets go of Python's lock as it compiles), seconds each for thousands of agents.
+            init, mesh = jax.jit(jax.vmap(training.init)), seed_mesh(config.num_seeds)
+            shapes = init.eval_shape(keys)
             if checkpoint is not None:  # first, so that a checkpoint of another network is refused at once
                 restored = restore_tree(jax.eval_shape(storable, shapes), checkpoint["runners"], config.resume)
             started, length = time.perf_counter(), min(config.checkpoint_every, config.num_updates, LONGEST_CHUNK)
             compiler = run.opened.enter_context(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compiling"))
             compiling = compiler.submit(compile_train_chunk, training, length, jax.tree.map(
                 lambda shape: shape.update(sharding=split_over_seeds(mesh)), shapes), mesh)
-            runners = jax.jit(jax.vmap(training.init))(keys)
+            runners = init(keys)
             if checkpoint is not None:
                 games = runners if atari else restored
                 runners = restored._replace(key=jax.random.wrap_key_data(restored.key), env_state=games.env_state,
@@ -2045,6 +2045,7 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
                                             episode_lengths=games.episode_lengths)
                 print(f"resumed at step {checkpoint['global_step']:,} (update {checkpoint['update']}) from {config.resume}",
                       file=sys.stderr)
+            # Place the agents over the devices; everything computed from them stays where they are.
             runners, update = jax.device_put(runners, split_over_seeds(mesh)), checkpoint["update"] if checkpoint else 0
             print(describe_devices(mesh, config.num_seeds), file=sys.stderr)
             train_chunk = compiling.result()
