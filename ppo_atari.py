@@ -2013,10 +2013,9 @@ def start_tracking(config, name: str, job_type: str = "train"):
 
 def send_new_videos(tracking, video_dir: Path, sent: set[Path]) -> None:
     """Send each whole video of training to Weights & Biases once; those still under their hidden names wait."""
-    for path in sorted(video_dir.glob("train-*.mp4")):
-        if path not in sent:
-            tracking.log({"videos": import_wandb().Video(str(path), format="mp4")})
-            sent.add(path)
+    for path in sorted(set(video_dir.glob("train-*.mp4")) - sent):
+        tracking.log({"videos": import_wandb().Video(str(path), format="mp4")})
+        sent.add(path)
 
 
 # ### A trained policy, and its evaluation
