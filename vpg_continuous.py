@@ -1290,9 +1290,6 @@ class RunConfig(Config):
     """The Weights & Biases team or user that `--track` sends the run to (default: your own)."""
 
 
-RUN_OPTIONS = {field.name for field in dataclasses.fields(RunConfig)} - {field.name for field in dataclasses.fields(Config)}
-
-
 def field_docs(cls: type) -> dict[str, str]:
     """The string literal under each field of a dataclass and of the dataclasses it extends, read from their source."""
     docs = {}
@@ -1414,7 +1411,7 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None]:
     given = vars(build_parser().parse_args(argv))
     path = given.get("resume") or given.get("eval")
     checkpoint = load_checkpoint(path) if path is not None and not (given.get("resume") and given.get("eval")) else None
-    fields = {field.name for field in dataclasses.fields(RunConfig)} - RUN_OPTIONS
+    fields = {field.name for field in dataclasses.fields(Config)}
     base = {name: value for name, value in checkpoint["config"].items() if name in fields} if checkpoint else {}
     config = RunConfig(**{**base, **given})
     check_config(config)
