@@ -1724,11 +1724,7 @@ class Aborted(KeyboardInterrupt):
 
 
 class Stopped(Exception):
-    """Ends the loop of training at a safe point once a stop is requested; `signal` is the signal's number."""
-
-    def __init__(self, signal_number: int):
-        super().__init__(signal_number)
-        self.signal = signal_number
+    """Ends the loop of training at a safe point once a stop is requested; its one argument is the signal's number."""
 
 
 class Signals:
@@ -1911,7 +1907,7 @@ def train(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict | 
                 trainer.train(after_update)
                 stopped_by = 0
             except Stopped as stopped:
-                stopped_by = stopped.signal
+                stopped_by = stopped.args[0]
             write_checkpoint()
             signals.closing = True
             if ranks.is_main:

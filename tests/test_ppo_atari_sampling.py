@@ -168,7 +168,7 @@ def test_a_stop_request_ends_a_runs_rollout_between_two_steps(breakout_id):
             trainer = ppo_atari.RunTrainer(config, workers, torch.device("cpu"))
             with pytest.raises(ppo_atari.Stopped) as stopped:
                 trainer.collect_rollout()
-            assert stopped.value.signal == signal.SIGINT
+            assert stopped.value.args == (signal.SIGINT,)
             assert workers.steps == 10 and trainer.global_step == 0
         finally:
             workers.close()
