@@ -1497,10 +1497,10 @@ CHECKPOINT_FIELDS = ("config", "env_id", "update", "global_step", "ranks", "poli
                      "obs_normalizer", "reward_scaler", "torch_rng", "cuda_rng")
 
 
-def checkpoint_state(trainer: Trainer, env_id: str, ranks: Ranks | None = None) -> dict:
+def checkpoint_state(trainer: Trainer, env_id: str, ranks: Ranks) -> dict:
     """The trainer's state as a checkpoint holds it, marked with the env it learned, so that another
     env's run refuses it. With several ranks every rank must call it: it gathers their random states."""
-    ranks, cuda = ranks or Ranks(), trainer.device.type == "cuda"
+    cuda = trainer.device.type == "cuda"
     return {"format": CHECKPOINT_FORMAT, "config": dataclasses.asdict(trainer.config), "env_id": env_id,
             "update": trainer.update, "global_step": trainer.global_step, "ranks": ranks.size,
             "policy": trainer.policy.state_dict(), "value": trainer.value.state_dict(),
@@ -1510,10 +1510,8 @@ def checkpoint_state(trainer: Trainer, env_id: str, ranks: Ranks | None = None) 
             "cuda_rng": ranks.gather(torch.cuda.get_rng_state(trainer.device) if cuda else torch.zeros(0, dtype=torch.uint8))}
 
 
-def restore_checkpoint(trainer: Trainer, checkpoint: dict, path: str = "(in memory)",
-                       ranks: Ranks | None = None) -> None:
+def restore_checkpoint(trainer: Trainer, checkpoint: dict, path: str, ranks: Ranks) -> None:
     """Put `trainer` back in the state `checkpoint_state` saved; each rank takes its own random state."""
-    ranks = ranks or Ranks()
     restore_networks({"policy": trainer.policy, "value": trainer.value}, checkpoint, path)
     # Adam's settings come with its moments; the update needs the fused kernel, which checkpoints
     # written before it used name as the default one.

@@ -137,7 +137,8 @@ def test_the_statistics_survive_a_checkpoint_round_trip():
     trainer = vpg.Trainer(config, ScriptedEnvs(truncate_at={0: [3]}), torch.device("cpu"))
     trainer.update_policy(trainer.collect_rollout())
     resumed = vpg.Trainer(config, ScriptedEnvs(), torch.device("cpu"))
-    vpg.restore_checkpoint(resumed, saved_and_loaded(vpg.checkpoint_state(trainer, "Scripted")))
+    saved = saved_and_loaded(vpg.checkpoint_state(trainer, "Scripted", vpg.Ranks()))
+    vpg.restore_checkpoint(resumed, saved, "(in memory)", vpg.Ranks())
     for ours, theirs in [(trainer.obs_normalizer.stats, resumed.obs_normalizer.stats),
                          (trainer.reward_scaler.stats, resumed.reward_scaler.stats)]:
         assert theirs.count == ours.count > 0

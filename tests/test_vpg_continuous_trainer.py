@@ -160,7 +160,8 @@ def test_update_follows_the_schedule_and_resumes_on_it():
     assert stats["learning_rate"] == pytest.approx(1e-3 * (1 - 4 / 10))
 
     resumed = vpg.Trainer(config, ScriptedEnvs(), torch.device("cpu"))
-    vpg.restore_checkpoint(resumed, saved_and_loaded(vpg.checkpoint_state(trainer, "Scripted")))
+    saved = saved_and_loaded(vpg.checkpoint_state(trainer, "Scripted", vpg.Ranks()))
+    vpg.restore_checkpoint(resumed, saved, "(in memory)", vpg.Ranks())
     assert resumed.update == 5 and resumed.global_step == 5 * config.batch_size
     for network, original in [(resumed.policy, trainer.policy), (resumed.value, trainer.value)]:
         for name, tensor in original.state_dict().items():

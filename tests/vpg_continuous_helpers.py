@@ -100,7 +100,7 @@ def pendulum_checkpoint() -> dict:
     trainer = vpg.Trainer(config, envs, torch.device("cpu"))
     trainer.update_policy(trainer.collect_rollout())
     envs.close()
-    return saved_and_loaded(vpg.checkpoint_state(trainer, "Pendulum-v1"))
+    return saved_and_loaded(vpg.checkpoint_state(trainer, "Pendulum-v1", vpg.Ranks()))
 
 
 def statistics_with_the_prior(returns) -> tuple[float, float]:
