@@ -2078,12 +2078,12 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
         writable_dir(video_dir)
         games = [RecordedGame(game, video_dir, f"eval-{gym.spec(env_id).name}-game{index:02d}.mp4",
                               60 / config.frame_skip) for index, game in enumerate(games)]
-    scores: dict[int, float] = {}
+    scores: list[float | None] = [None] * len(games)  # each game's, once it is over
     with written(video_dir, config.eval):  # a video that cannot be written (on a full disk, say) is one line
         for game in games:
             game.reset()
-        while len(scores) < len(games):
-            playing = [index for index in range(len(games)) if index not in scores]
+        while None in scores:
+            playing = [index for index, score in enumerate(scores) if score is None]
             for index, action in zip(playing, policy.act(np.stack([games[index].obs for index in playing]))):
                 step = games[index].step(int(action))
                 if step.game_over:
@@ -2091,7 +2091,6 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
     videos = [video_dir / game.name for game in games] if config.capture_video else []
     if videos:
         print(f"videos in {video_dir}", file=sys.stderr)
-    scores = [scores[index] for index in range(len(games))]
     if config.track:  # each game's score, their mean, and the videos
         with start_tracking(config, f"eval-{Path(config.eval).parent.name}", job_type="eval") as tracking:
             for index, score in enumerate(scores):
