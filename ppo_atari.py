@@ -1373,15 +1373,13 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def parse_int(text: str) -> int:
-    """An integer, also written as `10_000_000` or `1e7`."""
+def integer(text: str) -> int:
+    """An integer, also written as `10_000_000` or `1e7`. argparse names the type in its message by this
+    name: "invalid integer value"."""
     value = float(text)
     if not value.is_integer():
         raise ValueError(text)
     return int(text) if text.lstrip("+-").replace("_", "").isdigit() else int(value)
-
-
-parse_int.__name__ = "integer"  # argparse names the type in its message: "invalid integer value"
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -1413,7 +1411,7 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag(field.name), choices=typing.get_args(kind), help=help_text)
         else:
             kind = next(t for t in typing.get_args(kind) or [kind] if t is not type(None))
-            parser.add_argument(flag(field.name), type=parse_int if kind is int else kind,
+            parser.add_argument(flag(field.name), type=integer if kind is int else kind,
                                 metavar=field.name.upper(), help=help_text)
     return parser
 

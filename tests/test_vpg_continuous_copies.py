@@ -40,7 +40,7 @@ def test_schedules_statistics_and_formats_are_the_same():
     targets, predictions = torch.randn(100), torch.randn(100)
     assert vpg.explained_variance(predictions, targets) == ppo_atari.explained_variance(predictions, targets)
     for text in ["12", "1e6", "1_000_000", "2.0e3"]:
-        assert vpg.parse_int(text) == ppo_atari.parse_int(text)
+        assert vpg.integer(text) == ppo_atari.integer(text)
     for seconds in [0.0, 59.9, 3600.0, 86_399.0, float("inf")]:
         assert vpg.format_duration(seconds) == ppo_atari.format_duration(seconds)
 
@@ -184,7 +184,7 @@ SAME_TEXT = [
     # Part 2
     "WorkerError", "numpy_views",
     # Part 3: the command line, checkpoints and faults, logging, signals, the run, tracking, video
-    "ConfigError", "field_docs", "parse_int", "OneLineParser", "flag", "parse_config", "WriteFailed", "written", "save_checkpoint",
+    "ConfigError", "field_docs", "integer", "OneLineParser", "flag", "parse_config", "WriteFailed", "written", "save_checkpoint",
     "last_checkpoint", "writable_dir", "run_dir_lock", "format_duration", "default_run_dir", "timer", "Aborted", "Stopped", "Signals",
     "import_wandb", "start_tracking", "send_new_videos", "Video",
     # Part 4
