@@ -1508,11 +1508,12 @@ def choose_device(requested: str, local_rank: int = 0) -> torch.device:
 @contextlib.contextmanager
 def timer(seconds: dict[str, float], key: str):
     """Add the seconds that the block takes to `seconds[key]`: the split of each update's time that
-    the log shows, counted by `RunWorkers` and `RunTrainer`, so that the code they time holds no timer. A block
-    that raises adds nothing: the run ends there."""
+    the log shows, counted by `RunWorkers` and `RunTrainer`, so that the code they time holds no timer."""
     started = time.perf_counter()
-    yield
-    seconds[key] += time.perf_counter() - started
+    try:
+        yield
+    finally:
+        seconds[key] += time.perf_counter() - started
 
 
 class RunTrainer(FastSamplingTrainer):
