@@ -1757,14 +1757,12 @@ def log_chunk(run: Run, metrics: dict, episodes: jax.Array, count: int, first_up
     updates[0][-1].append(Summary.Value(tag="charts/SPS", simple_value=sps))
     for writer, values in zip([run.writer, *run.writers], updates):
         for step, update in zip(steps, values):
-            if update:
-                writer.add(step, *update)
+            writer.add(step, *update)
     if run.config.num_seeds > 1:
         leaves = {"step": steps, **{jax.tree_util.keystr(where, simple=True, separator="/"): value
                                     for where, value in jax.tree_util.tree_leaves_with_path(metrics)}}
-        records = np.zeros(count, [(name, value.dtype, value.shape[1:]) for name, value in leaves.items()])
-        for name, value in leaves.items():
-            records[name] = value
+        records = np.rec.fromarrays(list(leaves.values()),
+                                    dtype=[(name, value.dtype, value.shape[1:]) for name, value in leaves.items()])
         record = io.BytesIO()
         np.save(record, records)
         with naming(run.dir / AGENTS_FILE), open(run.dir / AGENTS_FILE, "ab") as file:
