@@ -1559,10 +1559,11 @@ def storable(runners: Runner) -> Runner:
     return runners._replace(key=jax.random.key_data(runners.key), env_state=env_state)
 
 
-def checkpoint_state(config: Config, env_id: str, update: int, global_step: int, **trees) -> dict:
-    """A checkpoint's contents: what it is, its configuration and counters, and the pytrees in `trees`."""
+def checkpoint_state(config: Config, env_id: str, update: int, **trees) -> dict:
+    """A checkpoint's contents: what it is, its configuration, its counters after `update` updates (and the steps
+    those took), and the pytrees in `trees`."""
     return {"format": CHECKPOINT_FORMAT, "config": dataclasses.asdict(config), "env_id": env_id,
-            "update": update, "global_step": global_step,
+            "update": update, "global_step": update * config.batch_size,
             **{name: flax.serialization.to_state_dict(jax.device_get(tree)) for name, tree in trees.items()}}
 
 
@@ -1963,8 +1964,7 @@ class Run:
             for writer in [self.writer, *self.writers]:
                 writer.flush()  # so that a checkpoint never holds more of the run than its logs
             update, runners = checkpoint
-            self.write_checkpoint(checkpoint_state(self.config, self.env_id, update, update * self.config.batch_size,
-                                                   runners=runners))
+            self.write_checkpoint(checkpoint_state(self.config, self.env_id, update, runners=runners))
 
     def logged(self, keep: int = 0) -> None:
         """Wait until the logging thread has at most `keep` chunks left to write; raise what those written raised."""

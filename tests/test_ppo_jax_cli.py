@@ -263,7 +263,7 @@ def test_a_run_resumed_from_its_checkpoint_is_the_same_run(chunks):
     config, training, keys, first, train_chunk = chunks
     straight, _ = train_chunk(train_chunk(first, 4)[0], 4)
     halfway, _ = train_chunk(first, 4)
-    state = ppo_jax.checkpoint_state(config, "CartPole-v1", 4, 512, runners=ppo_jax.storable(halfway))
+    state = ppo_jax.checkpoint_state(config, "CartPole-v1", 4, runners=ppo_jax.storable(halfway))
     stored = flax.serialization.msgpack_restore(flax.serialization.msgpack_serialize(state))
     template = jax.eval_shape(lambda keys: ppo_jax.storable(jax.vmap(training.init)(keys)), keys)
     restored = ppo_jax.restore_tree(template, stored["runners"], "memory")

@@ -138,7 +138,7 @@ def test_statistics_are_saved_and_a_resumed_run_goes_on_with_them(pendulum):
     # run) as four updates straight.
     config, training, keys, first, chunk, runners = pendulum
     halfway, _ = chunk(first)
-    state = ppo_jax.checkpoint_state(config, "Pendulum-v1", 2, 256, runners=ppo_jax.storable(halfway))
+    state = ppo_jax.checkpoint_state(config, "Pendulum-v1", 2, runners=ppo_jax.storable(halfway))
     stored = flax.serialization.msgpack_restore(flax.serialization.msgpack_serialize(state))
     assert stored["runners"]["normalizer"]["obs"]["mean"].shape == (2, 3)
     np.testing.assert_array_equal(stored["runners"]["normalizer"]["returns"]["var"], halfway.normalizer.returns.var)
@@ -164,7 +164,7 @@ class NormalizedNetwork(nn.Module):
 
 def test_evaluation_normalises_with_the_statistics_of_the_checkpoint_frozen(pendulum, tmp_path):
     config, training, keys, _, _, runners = pendulum
-    state = ppo_jax.checkpoint_state(config, "Pendulum-v1", 4, 512, runners=ppo_jax.storable(runners))
+    state = ppo_jax.checkpoint_state(config, "Pendulum-v1", 4, runners=ppo_jax.storable(runners))
     stored = flax.serialization.msgpack_restore(flax.serialization.msgpack_serialize(state))
     eval_config = ppo_jax.RunConfig(**{**TINY, "eval": str(tmp_path / "checkpoint.msgpack"), "eval_episodes": 3})
     returns = ppo_jax.evaluate_compiled(eval_config, "Pendulum-v1", stored)

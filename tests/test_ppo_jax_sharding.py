@@ -59,7 +59,7 @@ def train(devices, through_checkpoint=False):
     train_chunk = ppo_jax.compile_train_chunk(training, 4, runners, mesh)
     runners, metrics = train_chunk(runners, jnp.int32(4))
     if through_checkpoint:
-        state = ppo_jax.checkpoint_state(config, "CartPole-v1", 4, 512, runners=ppo_jax.storable(runners))
+        state = ppo_jax.checkpoint_state(config, "CartPole-v1", 4, runners=ppo_jax.storable(runners))
         stored = flax.serialization.msgpack_restore(flax.serialization.msgpack_serialize(state))
         template = jax.eval_shape(lambda keys: ppo_jax.storable(jax.vmap(training.init)(keys)),
                                   ppo_jax.agent_keys(config))
