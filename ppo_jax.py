@@ -1952,19 +1952,19 @@ class Run:
         those before it raised. With `checkpoint`, `(update, storable runners)`, the thread then writes it, once the
         chunk's logs are written."""
         self.logged(keep=1)
-        self.logging.append(self.logger.submit(self.log_and_save, self.logging[-1] if self.logging else None, chunk,
-                                               checkpoint))
+        before = self.logging[-1] if self.logging else None
 
-    def log_and_save(self, before: concurrent.futures.Future | None, chunk: tuple,
-                     checkpoint: tuple[int, Runner] | None) -> None:
-        if before is not None:
-            before.result()  # what the chunk before could not write ends this one too: nothing is written after it
-        log_chunk(self, *chunk)
-        if checkpoint is not None:
-            for writer in [self.writer, *self.writers]:
-                writer.flush()  # so that a checkpoint never holds more of the run than its logs
-            update, runners = checkpoint
-            self.write_checkpoint(checkpoint_state(self.config, self.env_id, update, runners=runners))
+        def log_and_save() -> None:
+            if before is not None:
+                before.result()  # what the chunk before could not write ends this one too: nothing is written after it
+            log_chunk(self, *chunk)
+            if checkpoint is not None:
+                for writer in [self.writer, *self.writers]:
+                    writer.flush()  # so that a checkpoint never holds more of the run than its logs
+                update, runners = checkpoint
+                self.write_checkpoint(checkpoint_state(self.config, self.env_id, update, runners=runners))
+
+        self.logging.append(self.logger.submit(log_and_save))
 
     def logged(self, keep: int = 0) -> None:
         """Wait until the logging thread has at most `keep` chunks left to write; raise what those written raised."""
