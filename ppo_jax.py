@@ -1688,10 +1688,8 @@ class EventWriter:
             self.writer.flush()  # raises what the thread could not write
 
     def close(self) -> None:
-        try:
+        with contextlib.closing(self.writer):  # closed whatever the flush raises
             self.flush()
-        finally:
-            self.writer.close()
 
 
 class Progress:
@@ -2332,11 +2330,10 @@ def load_policy(path: str | Path, agent: int = 0) -> Policy:
     config = AtariConfig(**{k: v for k, v in checkpoint["config"].items() if k in AtariConfig.__dataclass_fields__})
     training, agents = trained_agents(config, checkpoint["env_id"], checkpoint, str(path))
 
-    def act(trained: tuple, obs: jax.Array, key: jax.Array) -> jax.Array:
-        params, normalizer = trained
+    def act(params: Any, normalizer: Normalizer | None, obs: jax.Array, key: jax.Array) -> jax.Array:
         return training.network.apply(params, obs if normalizer is None else normalizer.observe(obs))[0].sample(key)
 
-    return Policy(functools.partial(jax.jit(act), jax.tree.map(lambda value: value[agent], agents)),
+    return Policy(functools.partial(jax.jit(act), *jax.tree.map(lambda value: value[agent], agents)),
                   functools.partial(make_env, checkpoint["env_id"], config=config))
 
 
