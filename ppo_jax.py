@@ -1516,7 +1516,8 @@ class PatchConv(nn.Conv):
         kernel = self.param("kernel", self.kernel_init, (height, width, x.shape[-1], self.features), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
         rows, columns = (x.shape[-3] - height) // row_stride + 1, (x.shape[-2] - width) // column_stride + 1
-        windows = jnp.concatenate([x[..., i::row_stride, j::column_stride, :][..., :rows, :columns, :]
+        windows = jnp.concatenate([x[..., i:i + row_stride * (rows - 1) + 1:row_stride,
+                                     j:j + column_stride * (columns - 1) + 1:column_stride, :]
                                    for i in range(height) for j in range(width)], axis=-1)
         return windows @ kernel.reshape(-1, self.features) + bias
 
