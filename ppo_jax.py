@@ -109,6 +109,7 @@ import fcntl
 import functools
 import difflib
 import fractions
+import importlib
 import inspect
 import io
 import math
@@ -119,6 +120,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import types
 import typing
 import warnings
 from dataclasses import dataclass
@@ -254,6 +256,35 @@ class StepInfo(NamedTuple):
     """Whether the logged episode ended (Atari: the whole game, not a life)."""
 
 
+class ImportedOnFirstUse(types.ModuleType):
+    """A stand-in for the module of its name, which imports the real one when an attribute is first read."""
+
+    def __getattr__(self, attribute: str) -> Any:
+        if sys.modules.get(self.__name__) is self:  # used while it stands in: make way for the real one
+            del sys.modules[self.__name__]
+        return getattr(importlib.import_module(self.__name__), attribute)
+
+
+def import_gymnax() -> types.ModuleType:
+    """gymnax, imported here rather than at the top: an Atari run need not spend the time.
+
+    Importing gymnax imports every one of its environments, and three of them import seaborn or
+    matplotlib's pyplot at their top, to draw frames that training never asks for: 2.7 of the 4.6 s
+    of `import jax, flax, optax, gymnax` on a 2-core Xeon, with the scipy and pandas they bring. While
+    gymnax is imported, those two names are stand-ins that import the real module on first use; after
+    it, an import of either finds the real module again.
+    """
+    stand_ins = [name for name in ("seaborn", "matplotlib.pyplot") if name not in sys.modules]
+    sys.modules.update({name: ImportedOnFirstUse(name) for name in stand_ins})
+    try:
+        import gymnax
+    finally:
+        for name in stand_ins:
+            if isinstance(sys.modules.get(name), ImportedOnFirstUse):
+                del sys.modules[name]
+    return gymnax
+
+
 class BatchedEnv:
     """`num_envs` copies of a gymnax environment, stepped together, with the facts the agent needs.
 
@@ -269,8 +300,7 @@ class BatchedEnv:
     """Whether observations are stacks of screen frames, channels first (Atari's, Part 2): the Nature CNN's input."""
 
     def __init__(self, env_id: str, num_envs: int):
-        import gymnax  # imported here, not at the top: it takes seconds, which an Atari run need not spend
-
+        gymnax = import_gymnax()
         self.env, self.params = gymnax.make(env_id)
         self.num_envs = num_envs
         self.obs_shape = tuple(self.env.observation_space(self.params).shape)

@@ -378,6 +378,22 @@ def test_a_truncated_episode_bootstraps_from_its_final_observation():
     assert not np.allclose(rollout.next_values[199], rollout.values[200], atol=1e-3)
 
 
+def test_gymnax_is_imported_without_the_plotting_libraries_until_they_are_used(environment):
+    # gymnax's environment modules import seaborn and matplotlib's pyplot to draw; a run that draws
+    # nothing must not load them (seconds of every start), and a module that draws still can.
+    code = """import sys, ppo_jax
+ppo_jax.BatchedEnv("CartPole-v1", 1)
+print(sorted(name for name in ("seaborn", "matplotlib.pyplot", "scipy.stats", "pandas") if name in sys.modules))
+from gymnax.environments.misc import pong
+print(len(pong.sns.color_palette("cubehelix", 3)), type(sys.modules["seaborn"]).__name__, callable(pong.plt.subplots))
+import seaborn, matplotlib.pyplot
+print(seaborn is sys.modules["seaborn"], type(seaborn).__name__, type(matplotlib.pyplot).__name__)"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env=environment)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[]", "3 module True", "True module module"]
+
+
 def test_minatar_trains_and_evaluates(run, tmp_path):
     result = run("--env", "breakout-minatar", "--num-envs", 8, "--num-steps", 32, "--num-minibatches", 2,
                  "--total-timesteps", 512, "--run-dir", tmp_path)
