@@ -268,7 +268,7 @@ class ImportedOnFirstUse(types.ModuleType):
 def import_gymnax() -> types.ModuleType:
     """gymnax, imported here rather than at the top: an Atari run need not spend the time.
 
-    Importing gymnax imports every one of its environments, and three of them import seaborn or
+    Importing gymnax imports every one of its environments, and five of them import seaborn or
     matplotlib's pyplot at their top, to draw frames that training never asks for: 2.7 of the 4.6 s
     of `import jax, flax, optax, gymnax` on a 2-core Xeon, with the scipy and pandas they bring. While
     gymnax is imported, those two names are stand-ins that import the real module on first use; after
