@@ -1698,7 +1698,7 @@ class Progress:
             return  # into a file, a step's line is written once: the final one may be written already
         self.last_print, self.printed, sps = now, step, self.steps_per_second(step)
         left = format_duration((self.total - step) / sps if sps > 0 else math.inf)
-        recent = f"{np.mean(self.scores):.1f} (last {len(self.scores)} games)" if self.scores else "-"
+        recent = f"{np.mean(self.scores):.1f} (last {len(self.scores)} game{'s' * (len(self.scores) > 1)})" if self.scores else "-"
         line = f"step {step:,}/{self.total:,} ({100 * step / self.total:.1f}%) | {sps:,.0f} SPS | {left} left | score {recent}"
         print(("\r\033[K" if self.interactive else "") + line, end="\n" if final or not self.interactive else "",
               file=sys.stderr, flush=True)
@@ -2221,7 +2221,7 @@ def main(argv: list[str] | None = None) -> int:
         if config.eval is None:
             return train(config, env_id, checkpoint)
         scores = evaluate(config, env_id, checkpoint)
-        print(f"{env_id}: {len(scores)} games, score {np.mean(scores):.1f} ± {np.std(scores):.1f} "
+        print(f"{env_id}: {len(scores)} game{'s' * (len(scores) > 1)}, score {np.mean(scores):.1f} ± {np.std(scores):.1f} "
               f"(min {min(scores):g}, max {max(scores):g})")
         return 0
     except ConfigError as error:

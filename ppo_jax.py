@@ -2383,8 +2383,9 @@ def main(argv: list[str] | None = None) -> int:
         returns = evaluate_compiled(config, env_id, checkpoint)
         for agent, agent_returns in enumerate(returns if len(returns) > 1 else []):
             print(f"agent {agent}: return {describe_returns(agent_returns)}")
-        what = (f"{len(returns)} agents x {returns.shape[1]} episodes, return" if len(returns) > 1 else
-                f"{returns.shape[1]} {'games, score' if family == 'Atari' else 'episodes, return'}")
+        plural = "s" * (returns.shape[1] > 1)
+        what = (f"{len(returns)} agents x {returns.shape[1]} episode{plural}, return" if len(returns) > 1 else
+                f"{returns.shape[1]} {f'game{plural}, score' if family == 'Atari' else f'episode{plural}, return'}")
         print(f"{env_id}: {what} {describe_returns(returns)}")
         return 0
     except ConfigError as error:

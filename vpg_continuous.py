@@ -1650,7 +1650,7 @@ class Progress:
             return  # into a file, a step's line is written once: the final one may be written already
         self.last_print, self.printed, sps = now, step, self.steps_per_second(step)
         left = format_duration((self.total - step) / sps if sps > 0 else math.inf)
-        recent = f"{np.mean(self.returns):.1f} (last {len(self.returns)} episodes)" if self.returns else "-"
+        recent = f"{np.mean(self.returns):.1f} (last {len(self.returns)} episode{'s' * (len(self.returns) > 1)})" if self.returns else "-"
         line = f"step {step:,}/{self.total:,} ({100 * step / self.total:.1f}%) | {sps:,.0f} SPS | {left} left | return {recent}"
         print(("\r\033[K" if self.interactive else "") + line, end="\n" if final or not self.interactive else "",
               file=sys.stderr, flush=True)
@@ -2242,7 +2242,7 @@ def main(argv: list[str] | None = None) -> int:
         if config.eval is None:
             return train(config, env_id, spaces, checkpoint)
         returns = evaluate(config, env_id, checkpoint)
-        print(f"{env_id}: {len(returns)} episodes, return {np.mean(returns):.1f} ± {np.std(returns):.1f} "
+        print(f"{env_id}: {len(returns)} episode{'s' * (len(returns) > 1)}, return {np.mean(returns):.1f} ± {np.std(returns):.1f} "
               f"(min {min(returns):.1f}, max {max(returns):.1f})")
         return 0
     except ConfigError as error:

@@ -188,7 +188,7 @@ def test_a_checkpoint_moves_from_the_gpu_to_the_cpu_and_back(tmp_path):
     assert final["update"] == 6 and all(torch.isfinite(w).all() for w in final["model"].values())
     for device in ["cpu", "cuda"]:
         evaluated = run("--eval", tmp_path / "back" / "checkpoint.pt", "--eval-episodes", 1, "--device", device)
-        assert evaluated.returncode == 0 and "1 games, score" in evaluated.stdout, evaluated.stderr
+        assert evaluated.returncode == 0 and "1 game, score" in evaluated.stdout, evaluated.stderr
 
 
 def test_trains_with_a_bfloat16_torso_on_the_gpu(tmp_path):

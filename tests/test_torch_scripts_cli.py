@@ -82,6 +82,18 @@ def test_in_a_log_the_progress_line_of_a_step_is_written_once(script, capsys):
     assert [line.split(" |")[0] for line in lines] == ["step 1,024/2,048 (50.0%)", "step 1,536/2,048 (75.0%)"]
 
 
+def test_the_progress_line_counts_one_game_or_episode_in_the_singular(script, capsys):
+    progress = script.module.Progress(2048, 0)
+    # ppo_atari.py counts the scores of games, vpg_continuous.py the returns of episodes.
+    scores, unit = (progress.scores, "game") if hasattr(progress, "scores") else (progress.returns, "episode")
+    for score in (1.0, 3.0):
+        scores.append(score)
+        progress.show(2048, final=True)
+        progress.printed = None
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].endswith(f"1.0 (last 1 {unit})") and lines[1].endswith(f"2.0 (last 2 {unit}s)"), lines
+
+
 def test_without_run_dir_a_run_goes_to_runs_named_by_env_seed_and_time(script, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert script.run_main(capsys, *script.tiny, "--total-timesteps", 128)[0] == 0
