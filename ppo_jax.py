@@ -1953,7 +1953,7 @@ class Run:
         # The run ends after its last whole batch, as CleanRL's and PureJaxRL's do: say so if that is short.
         if config.num_updates * config.batch_size != config.total_timesteps:
             print(f"--total-timesteps {config.total_timesteps:,} is not a whole number of batches of "
-                  f"{config.batch_size:,} steps: the run ends after {config.num_updates:,} updates, at "
+                  f"{config.batch_size:,} steps: the run ends after {config.num_updates:,} update{'s' * (config.num_updates > 1)}, at "
                   f"{config.num_updates * config.batch_size:,} steps", file=sys.stderr)
 
     def open_writers(self, progress: Progress) -> None:

@@ -109,3 +109,4 @@ def test_the_progress_line_counts_the_steps_the_run_will_take(script, tmp_path, 
     status, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 300, "--run-dir", tmp_path)
     assert status == 0, stderr
     assert "step 256/256 (100.0%)" in stderr and "done: 256 steps" in stderr and "/300" not in stderr
+    assert " in 1 worker; " in stderr  # the tiny run's one worker, in the singular

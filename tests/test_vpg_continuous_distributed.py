@@ -235,7 +235,7 @@ def test_torchrun_trains_on_two_ranks_and_resumes(tmp_path):
     # The statistics of both ranks: 2 x 2 first observations and one per step; 1,024 returns.
     assert checkpoint["obs_normalizer"]["count"] == 4 + 1024 and checkpoint["reward_scaler"]["count"] == 1024
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # rank 0 alone writes
-    assert output.count("training on cpu, 2 envs in 1 workers on each of 2 ranks") == 1
+    assert output.count("training on cpu, 2 envs in 1 worker on each of 2 ranks") == 1
     events = EventAccumulator(str(run_dir))
     events.Reload()
     assert [e.step for e in events.Scalars("losses/policy_loss")] == [256, 512, 768, 1024]
