@@ -1913,7 +1913,8 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
                     with signals.held():
                         writer.add_text("hyperparameters", hyperparameter_table(config, env_id))
                 print(f"{env_id}: training on {device} ({'bfloat16' if trainer.model.bf16 else 'float32'} torso), "
-                      f"{config.num_envs} games in {num_workers} worker{'s' * (num_workers > 1)}{f' on each of {ranks.size} ranks' * (ranks.size > 1)}; "
+                      f"{config.num_envs} game{'s' * (config.num_envs > 1)} in {num_workers} worker{'s' * (num_workers > 1)}"
+                      f"{f' on each of {ranks.size} ranks' * (ranks.size > 1)}; "
                       f"logs and checkpoints in {run_dir}" + (f"\nresumed at step {trainer.global_step:,} (update "
                       f"{trainer.update}) from {config.resume}" if checkpoint else ""), file=sys.stderr)
             opened.callback(setattr, signals, "closing", True)  # the first thing done on the way out: from then on, closing is not interrupted

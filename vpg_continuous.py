@@ -1869,7 +1869,8 @@ def train(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict | 
                     with signals.held():
                         writer.add_text("hyperparameters", hyperparameter_table(config, env_id, ranks.size))
                 print(f"{env_id}: training on {device}, "
-                      f"{config.num_envs} envs in {num_workers} worker{'s' * (num_workers > 1)}{f' on each of {ranks.size} ranks' * (ranks.size > 1)}; "
+                      f"{config.num_envs} env{'s' * (config.num_envs > 1)} in {num_workers} worker{'s' * (num_workers > 1)}"
+                      f"{f' on each of {ranks.size} ranks' * (ranks.size > 1)}; "
                       f"logs and checkpoints in {run_dir}" + (f"\nresumed at step {trainer.global_step:,} (update "
                       f"{trainer.update}) from {config.resume}" if checkpoint else ""), file=sys.stderr)
             opened.callback(setattr, signals, "closing", True)  # the first thing done on the way out: from then on, closing is not interrupted
