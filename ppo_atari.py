@@ -1698,7 +1698,7 @@ class Progress:
             return  # into a file, a step's line is written once: the final one may be written already
         self.last_print, self.printed, sps = now, step, self.steps_per_second(step)
         left = format_duration((self.total - step) / sps if sps > 0 else math.inf)
-        recent = f"{np.mean(self.scores):.1f} (last {len(self.scores)} game{'s' * (len(self.scores) > 1)})" if self.scores else "-"
+        recent = f"{np.mean(self.scores):.1f} (last {how_many(len(self.scores), 'game')})" if self.scores else "-"
         line = f"step {step:,}/{self.total:,} ({100 * step / self.total:.1f}%) | {sps:,.0f} SPS | {left} left | score {recent}"
         print(("\r\033[K" if self.interactive else "") + line, end="\n" if final or not self.interactive else "",
               file=sys.stderr, flush=True)
@@ -1709,6 +1709,11 @@ def format_duration(seconds: float) -> str:
         return "?"
     hours, minutes, seconds = int(seconds) // 3600, int(seconds) // 60 % 60, int(seconds) % 60
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+
+
+def how_many(number: int, noun: str) -> str:
+    """A count and its noun, in the plural unless the count is one: `1 game`, `8 games`."""
+    return f"{number:,} {noun}{'s' * (number != 1)}"
 
 
 def hyperparameter_table(config: Config, env_id: str) -> str:
@@ -1913,7 +1918,7 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
                     with signals.held():
                         writer.add_text("hyperparameters", hyperparameter_table(config, env_id))
                 print(f"{env_id}: training on {device} ({'bfloat16' if trainer.model.bf16 else 'float32'} torso), "
-                      f"{config.num_envs} game{'s' * (config.num_envs > 1)} in {num_workers} worker{'s' * (num_workers > 1)}"
+                      f"{how_many(config.num_envs, 'game')} in {how_many(num_workers, 'worker')}"
                       f"{f' on each of {ranks.size} ranks' * (ranks.size > 1)}; "
                       f"logs and checkpoints in {run_dir}" + (f"\nresumed at step {trainer.global_step:,} (update "
                       f"{trainer.update}) from {config.resume}" if checkpoint else ""), file=sys.stderr)
@@ -2222,7 +2227,7 @@ def main(argv: list[str] | None = None) -> int:
         if config.eval is None:
             return train(config, env_id, checkpoint)
         scores = evaluate(config, env_id, checkpoint)
-        print(f"{env_id}: {len(scores)} game{'s' * (len(scores) > 1)}, score {np.mean(scores):.1f} ± {np.std(scores):.1f} "
+        print(f"{env_id}: {how_many(len(scores), 'game')}, score {np.mean(scores):.1f} ± {np.std(scores):.1f} "
               f"(min {min(scores):g}, max {max(scores):g})")
         return 0
     except ConfigError as error:

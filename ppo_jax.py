@@ -1723,6 +1723,11 @@ class EventWriter:
             self.flush()
 
 
+def how_many(number: int, noun: str) -> str:
+    """A count and its noun, in the plural unless the count is one: `1 game`, `8 games`."""
+    return f"{number:,} {noun}{'s' * (number != 1)}"
+
+
 class Progress:
     """One line on the terminal: steps done, speed, time left, the agents' mean return of their last 100 episodes.
 
@@ -1953,7 +1958,7 @@ class Run:
         # The run ends after its last whole batch, as CleanRL's and PureJaxRL's do: say so if that is short.
         if config.num_updates * config.batch_size != config.total_timesteps:
             print(f"--total-timesteps {config.total_timesteps:,} is not a whole number of batches of "
-                  f"{config.batch_size:,} steps: the run ends after {config.num_updates:,} update{'s' * (config.num_updates > 1)}, at "
+                  f"{config.batch_size:,} steps: the run ends after {how_many(config.num_updates, 'update')}, at "
                   f"{config.num_updates * config.batch_size:,} steps", file=sys.stderr)
 
     def open_writers(self, progress: Progress) -> None:
@@ -2383,9 +2388,8 @@ def main(argv: list[str] | None = None) -> int:
         returns = evaluate_compiled(config, env_id, checkpoint)
         for agent, agent_returns in enumerate(returns if len(returns) > 1 else []):
             print(f"agent {agent}: return {describe_returns(agent_returns)}")
-        plural = "s" * (returns.shape[1] > 1)
-        what = (f"{len(returns)} agents x {returns.shape[1]} episode{plural}, return" if len(returns) > 1 else
-                f"{returns.shape[1]} {f'game{plural}, score' if family == 'Atari' else f'episode{plural}, return'}")
+        what = (f"{len(returns)} agents x {how_many(returns.shape[1], 'episode')}, return" if len(returns) > 1 else
+                f"{how_many(returns.shape[1], 'game')}, score" if family == "Atari" else f"{how_many(returns.shape[1], 'episode')}, return")
         print(f"{env_id}: {what} {describe_returns(returns)}")
         return 0
     except ConfigError as error:
