@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, prepared to run in one go on a machine lent for a few minutes:
 #
-#   bash benchmarks/gpu_checks.sh pytorch     (at most 9 minutes: the limits of its steps)
-#   bash benchmarks/gpu_checks.sh jax         (at most 7.5 minutes)
+#   bash benchmarks/gpu_checks.sh pytorch     (at most 7.7 minutes: the limits of its steps)
+#   bash benchmarks/gpu_checks.sh jax         (at most 7 minutes)
+#   bash benchmarks/gpu_checks.sh diagnose    (at most 6 minutes)
 #
-# A lent machine runs one command for at most 10 minutes; `all` runs both parts in one. On an NVIDIA
-# H200 (2026-11-27) `all` took 457 s with the installs (the steps: 151, 21, 120, 99, 35 and 29 s),
-# so one call of 600 s saves a machine's start, and each step's limit still stops one that hangs.
+# A lent machine runs one command for at most 10 minutes; `all` runs `pytorch` and `jax` in one (on
+# an NVIDIA H200, 2026-11-27, the two took 457 s with the installs, `diagnose`'s steps among them),
+# so one call saves a machine's start, and each step's limit still stops one that hangs.
 #
-# pytorch: ppo_atari.py's training speed on CUDA beside its workers alone, at 8 and 32 games
-#          (issue 41: training at least 0.7 of the workers, the rollout alone at least 0.8), and
-#          with the update's minibatch steps launched one by one (not replayed from a CUDA graph),
-#          the update alone both ways (`graph_update.py`), then every test that needs a GPU for the
-#          PyTorch scripts.
-# jax:     ppo_jax.py with 2,048 CartPole agents x 500k steps, the whole process against the
-#          compiled program (issue 42: at most 1.2 times); a run of 2,048 agents whose chunks are
-#          timed on the device (its idle time between them, and `in_dispatch_s`: whether a chunk's
-#          dispatch returns before it has run); then ppo_jax.py's GPU tests.
+# pytorch:  ppo_atari.py's training speed on CUDA beside its workers alone, at 8 and 32 games, with
+#           issue 41's command (training at least 0.7 of the workers, the rollout alone at least
+#           0.8), the update alone launched step by step and replayed from a CUDA graph
+#           (`graph_update.py`), then every test that needs a GPU for the PyTorch scripts.
+# jax:      ppo_jax.py with 2,048 CartPole agents x 500k steps, the whole process against the
+#           compiled program, twice (issue 42: at most 1.2 times), then ppo_jax.py's GPU tests.
+# diagnose: where the time goes, when a check above fails: the training speed with the update's
+#           minibatch steps launched one by one beside the graphed ones, in turns (`--eager-update`),
+#           and a run of 2,048 agents whose chunks are timed on the device (its idle time between
+#           them, and `in_dispatch_s`: whether a chunk's dispatch returns before it has run).
 #
 # Each step has its own time limit and the script goes on after a failure, so that one slow step
 # does not cost the others; it ends with a line per step and its exit status. The measurements go
@@ -43,8 +45,8 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit, log it
 }
 
 if [ "$part" = pytorch ] || [ "$part" = all ]; then
-    step throughput 270 python benchmarks/throughput.py --part train --device cuda --precision fp32 \
-        --num-envs 8 32 --rounds 3 --eager-update --json "$out/throughput-cuda-$gpu.json"
+    step throughput 200 python benchmarks/throughput.py --part train --device cuda --precision fp32 \
+        --num-envs 8 32 --rounds 3 --json "$out/throughput-cuda-$gpu.json"
     step graph-update 60 python benchmarks/graph_update.py --num-envs 8 32 --updates 12 \
         --json "$out/graph-update-$gpu.json"
     step torch-gpu-tests 200 python -m pytest -q -rs tests/test_ppo_atari_cuda.py \
@@ -53,10 +55,14 @@ if [ "$part" = pytorch ] || [ "$part" = all ]; then
         tests/test_benchmarks.py::test_a_graphed_update_is_the_update_on_the_gpu
 fi
 if [ "$part" = jax ] || [ "$part" = all ]; then
-    step ppo-jax-overhead 240 python benchmarks/ppo_jax_speed.py --part overhead --seeds 2048 \
-        --total-timesteps 500000 --repeats 1 --json "$out/ppo_jax-overhead-$gpu.json"
+    step ppo-jax-overhead 300 python benchmarks/ppo_jax_speed.py --part overhead --seeds 2048 \
+        --total-timesteps 500000 --repeats 2 --json "$out/ppo_jax-overhead-$gpu.json"
+    step jax-gpu-tests 120 python -m pytest -q -rs tests/test_ppo_jax_cli.py::test_trains_on_the_gpu_where_there_is_one
+fi
+if [ "$part" = diagnose ]; then
+    step throughput-eager-update 270 python benchmarks/throughput.py --part train --device cuda \
+        --precision fp32 --num-envs 8 32 --rounds 3 --eager-update --json "$out/throughput-eager-cuda-$gpu.json"
     step ppo-jax-chunks 90 python benchmarks/ppo_jax_chunks.py --seeds 2048 --part run --total-timesteps 204800 \
         --json "$out/ppo_jax-chunks-$gpu.json"
-    step jax-gpu-tests 120 python -m pytest -q -rs tests/test_ppo_jax_cli.py::test_trains_on_the_gpu_where_there_is_one
 fi
 printf '%s\n' "${summary[@]}"
