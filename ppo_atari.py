@@ -1872,7 +1872,7 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
 
     ranks = Ranks.from_environment()
     if checkpoint is not None and checkpoint["ranks"] != ranks.size:
-        raise ConfigError(f"checkpoint {config.resume} was written by a run of {checkpoint['ranks']} rank(s); "
+        raise ConfigError(f"checkpoint {config.resume} was written by a run of {how_many(checkpoint['ranks'], 'rank')}; "
                           f"resume it with as many, not {ranks.size}")
     if checkpoint is not None and checkpoint["update"] >= config.total_timesteps // (config.batch_size * ranks.size):
         raise ConfigError(f"checkpoint {config.resume} has trained {checkpoint['global_step']:,} steps, all that "

@@ -1512,7 +1512,7 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
             raise ConfigError(f"a resumed run keeps its --{name.replace('_', '-')} ({saved[name]}): the checkpoint "
                               "holds the state of exactly that many")
     if config.eval is not None and saved["num_seeds"] != config.num_seeds:
-        raise ConfigError(f"checkpoint {path} holds {saved['num_seeds']} agent(s), and --eval plays them all: "
+        raise ConfigError(f"checkpoint {path} holds {how_many(saved['num_seeds'], 'agent')}, and --eval plays them all: "
                           f"leave out --num-seeds, or give {saved['num_seeds']}")
     if config.resume is not None and checkpoint["update"] >= config.num_updates:
         raise ConfigError(f"checkpoint {config.resume} has trained {checkpoint['global_step']:,} steps, all that "
@@ -2080,7 +2080,7 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
             runners, update = jax.device_put(runners, split_over_seeds(mesh)), checkpoint["update"] if checkpoint else 0
             print(describe_devices(mesh, config.num_seeds), file=sys.stderr)
             train_chunk = compiling.result()
-            print(f"{env_id}: {config.num_seeds} agent(s), compiled in {time.perf_counter() - started:.1f} s; "
+            print(f"{env_id}: {how_many(config.num_seeds, 'agent')}, compiled in {time.perf_counter() - started:.1f} s; "
                   f"logs and checkpoints in {run.dir}", file=sys.stderr)
             run.open_writers(Progress(config.num_updates * config.batch_size, update * config.batch_size,
                                       config.num_seeds, "games" if atari else "episodes"))
@@ -2463,10 +2463,10 @@ def compile_train_chunk(training: Training, length: int, runners: Runner, mesh: 
 def describe_devices(mesh: Mesh, num_seeds: int) -> str:
     """One line: the devices used, how many agents each trains, and why some are left idle."""
     available = len(jax.devices())
-    line = f"devices: {mesh.size} × {mesh.devices.flat[0].platform} ({num_seeds // mesh.size} agent(s) per device"
+    line = f"devices: {mesh.size} × {mesh.devices.flat[0].platform} ({how_many(num_seeds // mesh.size, 'agent')} per device"
     if mesh.size < available:
         idle = available - mesh.size
-        line += f"; {idle} of the {available} left idle: {num_seeds} agent(s) split evenly over no more"
+        line += f"; {idle} of the {available} left idle: {how_many(num_seeds, 'agent')} split evenly over no more"
     return line + ")"
 
 

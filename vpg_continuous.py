@@ -1823,11 +1823,11 @@ def train(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict | 
 
     ranks = Ranks.from_environment()
     if checkpoint is not None and checkpoint["ranks"] != ranks.size:
-        raise ConfigError(f"checkpoint {config.resume} was written by a run of {checkpoint['ranks']} rank(s); "
+        raise ConfigError(f"checkpoint {config.resume} was written by a run of {how_many(checkpoint['ranks'], 'rank')}; "
                           f"resume it with as many, not {ranks.size}")
     if config.total_timesteps < config.batch_size * ranks.size:
         raise ConfigError(f"--total-timesteps {config.total_timesteps} is less than one batch ({config.batch_size * ranks.size}"
-                          f" = {ranks.size} rank(s) x {config.num_envs} envs x {config.num_steps} steps)")
+                          f" = {how_many(ranks.size, 'rank')} x {config.num_envs} envs x {config.num_steps} steps)")
     if checkpoint is not None and checkpoint["update"] >= config.total_timesteps // (config.batch_size * ranks.size):
         raise ConfigError(f"checkpoint {config.resume} has trained {checkpoint['global_step']:,} steps, all that "
                           f"--total-timesteps {config.total_timesteps:,} allows; to train on, resume with a larger one")

@@ -179,7 +179,7 @@ def test_torchrun_trains_on_two_ranks_and_resumes(tmp_path):
 
     alone = subprocess.run([sys.executable, SCRIPT, "--resume", str(run_dir / "checkpoint.pt")], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
-    assert alone.returncode == 2 and "written by a run of 2 rank(s)" in alone.stderr
+    assert alone.returncode == 2 and "written by a run of 2 ranks" in alone.stderr
 
 
 def test_a_failed_rank_brings_the_others_down(tmp_path):

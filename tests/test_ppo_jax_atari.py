@@ -217,7 +217,7 @@ def test_a_short_breakout_run(trained):
     assert checkpoint["update"] == 2 and checkpoint["global_step"] == 256 and checkpoint["env_id"] == BREAKOUT
     assert checkpoint["runners"]["agent"]["params"]["params"]["policy"]["kernel"].shape == (1, 512, 4)
     assert checkpoint["runners"]["env_state"] == {}  # the games are not saved
-    assert "ALE/Breakout-v5: 1 agent(s), compiled in" in result.stderr
+    assert "ALE/Breakout-v5: 1 agent, compiled in" in result.stderr
     assert "step 256/256" in result.stderr
 
 

@@ -398,7 +398,7 @@ def test_minatar_trains_and_evaluates(run, tmp_path):
     result = run("--env", "breakout-minatar", "--num-envs", 8, "--num-steps", 32, "--num-minibatches", 2,
                  "--total-timesteps", 512, "--run-dir", tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "Breakout-MinAtar: 1 agent(s)" in result.stderr
+    assert "Breakout-MinAtar: 1 agent, compiled in" in result.stderr
     checkpoint = read_checkpoint(tmp_path / "checkpoint.msgpack")
     # The MinAtar preset, but for the flags given; the small CNN's parameters.
     assert checkpoint["config"]["learning_rate"] == 5e-3 and checkpoint["config"]["num_envs"] == 8

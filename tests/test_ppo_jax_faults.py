@@ -130,7 +130,7 @@ def test_a_run_says_where_it_ends_when_the_steps_asked_for_are_not_whole_batches
 
 def test_eval_with_another_number_of_agents_exits_2(small, capsys):
     line = main_error(capsys, "--eval", small[0], "--num-seeds", 3)
-    assert line.endswith(f"checkpoint {small[0]} holds 1 agent(s), and --eval plays them all: leave out --num-seeds, "
+    assert line.endswith(f"checkpoint {small[0]} holds 1 agent, and --eval plays them all: leave out --num-seeds, "
                          "or give 1"), line
 
 

@@ -115,10 +115,10 @@ def test_the_agents_use_the_most_devices_they_split_evenly_over(spread):
     assert facts["devices"] == 4
     assert facts["mesh_sizes"] == {"1": 1, "2": 2, "3": 3, "4": 4, "5": 1, "6": 3, "7": 1, "8": 4}
     assert facts["lines"] == {
-        "1": "devices: 1 × cpu (1 agent(s) per device; 3 of the 4 left idle: 1 agent(s) split evenly over no more)",
-        "4": "devices: 4 × cpu (1 agent(s) per device)",
-        "6": "devices: 3 × cpu (2 agent(s) per device; 1 of the 4 left idle: 6 agent(s) split evenly over no more)",
-        "7": "devices: 1 × cpu (7 agent(s) per device; 3 of the 4 left idle: 7 agent(s) split evenly over no more)"}
+        "1": "devices: 1 × cpu (1 agent per device; 3 of the 4 left idle: 1 agent split evenly over no more)",
+        "4": "devices: 4 × cpu (1 agent per device)",
+        "6": "devices: 3 × cpu (2 agents per device; 1 of the 4 left idle: 6 agents split evenly over no more)",
+        "7": "devices: 1 × cpu (7 agents per device; 3 of the 4 left idle: 7 agents split evenly over no more)"}
 
 
 def test_every_array_of_the_run_is_split_over_the_four_devices_one_agent_each(spread):
@@ -173,8 +173,8 @@ def trained(run_on, tmp_path_factory):
         run_dirs[devices] = tmp_path_factory.mktemp("runs") / f"on-{devices}"
         result = run_on(devices, *SMALL, "--run-dir", run_dirs[devices])
         assert result.returncode == 0, result.stderr
-        per_device = 2 // devices
-        assert f"devices: {devices} × cpu ({per_device} agent(s) per device)\n" in result.stderr
+        per_device = "2 agents" if devices == 1 else "1 agent"
+        assert f"devices: {devices} × cpu ({per_device} per device)\n" in result.stderr
     return run_dirs
 
 

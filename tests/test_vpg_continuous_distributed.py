@@ -251,4 +251,4 @@ def test_torchrun_trains_on_two_ranks_and_resumes(tmp_path):
 
     alone = subprocess.run([sys.executable, SCRIPT, "--resume", str(run_dir / "checkpoint.pt")], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
-    assert alone.returncode == 2 and "written by a run of 2 rank(s); resume it with as many, not 1" in alone.stderr
+    assert alone.returncode == 2 and "written by a run of 2 ranks; resume it with as many, not 1" in alone.stderr
