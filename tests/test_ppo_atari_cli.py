@@ -149,12 +149,19 @@ def test_eval_plays_whole_games_and_writes_videos(trained, tmp_path):
     (["--resume", "."], "checkpoint . is not a file"),
     (["--eval", "a.pt", "--resume", "b.pt"], "cannot be used together"),
 ])
-def test_bad_input_exits_2_with_one_line(args, message):
+def test_bad_input_exits_2_with_one_line(args, message, capsys):
+    status, _, stderr = PPO_ATARI.run_main(capsys, *args)  # in this process: the program's own is below
+    assert status == 2
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("ppo_atari.py: error:"), stderr
+
+
+@pytest.mark.parametrize("args", [["--env", "Breakot"], ["--no-such-flag"]])
+def test_bad_input_to_the_program_is_one_line_and_status_2(args):
+    # The same as a user meets it: a process of its own, a mistake of ours and one of argparse's.
     result = run(*args, timeout=60)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("ppo_atari.py: error:"), result.stderr
-    assert "Traceback" not in result.stderr
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("ppo_atari.py: error:") and "Traceback" not in result.stderr
 
 
 def one_line_error(result, message):

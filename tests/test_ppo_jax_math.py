@@ -295,8 +295,8 @@ def test_patch_conv_is_nn_conv(kernel, stride, size):
     fields = dict(features=7, kernel_size=(kernel, kernel), strides=(stride, stride), padding="VALID",
                   kernel_init=nn.initializers.orthogonal(math.sqrt(2)))
     theirs, ours = nn.Conv(**fields), ppo_jax.PatchConv(**fields)
-    params = theirs.init(jax.random.key(0), x)
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ours.init(jax.random.key(0), x)), strict=True):
+    params = jax.jit(theirs.init)(jax.random.key(0), x)  # compiled, each in one program: op by op takes seconds
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(jax.jit(ours.init)(jax.random.key(0), x)), strict=True):
         np.testing.assert_array_equal(a, b)
     params = jax.tree.map(lambda w: w + jnp.asarray(rng.normal(size=w.shape), jnp.float32) * 0.1, params)
     weights = jnp.asarray(rng.normal(size=theirs.apply(params, x).shape), jnp.float32)
@@ -304,9 +304,10 @@ def test_patch_conv_is_nn_conv(kernel, stride, size):
     def loss(layer, params, x):
         return jnp.sum(layer.apply(params, x) * weights)
 
-    np.testing.assert_allclose(ours.apply(params, x), theirs.apply(params, x), rtol=1e-4, atol=1e-4)
-    for a, b in zip(jax.tree.leaves(jax.grad(functools.partial(loss, ours), argnums=(0, 1))(params, x)),
-                    jax.tree.leaves(jax.grad(functools.partial(loss, theirs), argnums=(0, 1))(params, x)), strict=True):
+    np.testing.assert_allclose(jax.jit(ours.apply)(params, x), jax.jit(theirs.apply)(params, x), rtol=1e-4, atol=1e-4)
+    for a, b in zip(jax.tree.leaves(jax.jit(jax.grad(functools.partial(loss, ours), argnums=(0, 1)))(params, x)),
+                    jax.tree.leaves(jax.jit(jax.grad(functools.partial(loss, theirs), argnums=(0, 1)))(params, x)),
+                    strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3)
 
 
@@ -319,11 +320,11 @@ def test_cnns_with_patch_conv_are_the_cnns_with_nn_conv(network, obs):
     dtype = jnp.uint8 if obs[0] == 4 else jnp.float32
     frames = jnp.asarray(np.random.default_rng(1).integers(0, 256 if obs[0] == 4 else 2, (2, 3) + obs), dtype)
     theirs, ours = network(6), network(6, ppo_jax.PatchConv)
-    params = theirs.init(jax.random.key(0), frames)
-    assert jax.tree.structure(params) == jax.tree.structure(ours.init(jax.random.key(0), frames))
+    params = jax.jit(theirs.init)(jax.random.key(0), frames)
+    assert jax.tree.structure(params) == jax.tree.structure(jax.eval_shape(ours.init, jax.random.key(0), frames))
     assert "Conv_0" in params["params"]
     params = jax.tree.map(lambda w: w + 0.01 * jnp.sign(w), params)  # non-zero biases, a less uniform policy
-    (their_policy, their_values), (our_policy, our_values) = theirs.apply(params, frames), ours.apply(params, frames)
+    (their_policy, their_values), (our_policy, our_values) = jax.jit(theirs.apply)(params, frames), jax.jit(ours.apply)(params, frames)
     np.testing.assert_allclose(our_policy.logits, their_policy.logits, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(our_values, their_values, rtol=1e-4, atol=1e-5)
 
