@@ -2463,7 +2463,8 @@ def compile_train_chunk(training: Training, length: int, runners: Runner, mesh: 
 def describe_devices(mesh: Mesh, num_seeds: int) -> str:
     """One line: the devices used, how many agents each trains, and why some are left idle."""
     available = len(jax.devices())
-    line = f"devices: {mesh.size} × {mesh.devices.flat[0].platform} ({how_many(num_seeds // mesh.size, 'agent')} per device"
+    platform, per_device = mesh.devices.flat[0].platform, how_many(num_seeds // mesh.size, "agent")
+    line = f"devices: {mesh.size} × {platform} ({per_device} per device"
     if mesh.size < available:
         idle = available - mesh.size
         line += f"; {idle} of the {available} left idle: {how_many(num_seeds, 'agent')} split evenly over no more"

@@ -5,8 +5,8 @@
 #   bash benchmarks/gpu_checks.sh jax         (at most 7 minutes)
 #   bash benchmarks/gpu_checks.sh diagnose    (at most 6 minutes)
 #
-# A lent machine runs one command for at most 10 minutes; `all` runs `pytorch` and `jax` in one (on
-# an NVIDIA H200, 2026-11-27, the two took 457 s with the installs, `diagnose`'s steps among them),
+# A lent machine runs one command for at most 10 minutes; `all` runs `pytorch` and `jax` in one: on
+# an NVIDIA H100 (2026-11-28) it took 483 s with the installs (the steps: 113, 22, 118, 204 and 23 s),
 # so one call saves a machine's start, and each step's limit still stops one that hangs.
 #
 # pytorch:  ppo_atari.py's training speed on CUDA beside its workers alone, at 8 and 32 games, with

@@ -324,7 +324,8 @@ def test_cnns_with_patch_conv_are_the_cnns_with_nn_conv(network, obs):
     assert jax.tree.structure(params) == jax.tree.structure(jax.eval_shape(ours.init, jax.random.key(0), frames))
     assert "Conv_0" in params["params"]
     params = jax.tree.map(lambda w: w + 0.01 * jnp.sign(w), params)  # non-zero biases, a less uniform policy
-    (their_policy, their_values), (our_policy, our_values) = jax.jit(theirs.apply)(params, frames), jax.jit(ours.apply)(params, frames)
+    their_policy, their_values = jax.jit(theirs.apply)(params, frames)
+    our_policy, our_values = jax.jit(ours.apply)(params, frames)
     np.testing.assert_allclose(our_policy.logits, their_policy.logits, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(our_values, their_values, rtol=1e-4, atol=1e-5)
 
