@@ -294,7 +294,7 @@ def main() -> None:
         loads = ", ".join(f"{a:.1f}-{b:.1f}" for a, b in (run["load"] for run in runs))
         kind, value, *_ = name.split()
         if kind == "compiled":
-            print(f"(a) CartPole-v1, {args.total_timesteps:,} steps x {value} agent(s): trace "
+            print(f"(a) CartPole-v1, {args.total_timesteps:,} steps x {value} agent{'s' * (value != '1')}: trace "
                   f"{median_of(runs, 'trace_s'):.1f} s, compile {median_of(runs, 'compile_s'):.1f} s, run "
                   f"{median_of(runs, 'run_s'):.1f} s ({median_of(runs, 'sps'):,.0f} SPS); worst agent's final return "
                   f"{min(run['final_return_min'] for run in runs):.0f}   [load {loads}]")

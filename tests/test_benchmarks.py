@@ -92,7 +92,7 @@ def test_shared_cores_benchmark_times_steps_beside_a_neighbour(tmp_path):
     assert runs["threads"] == 1 and runs["neighbour_threads"] == 1 and len(runs["runs"]) == 2
     for run in runs["runs"]:
         assert run["threads"] == 1 and not run["bf16"] and len(run["seconds"]) == 2 and min(run["seconds"]) > 0
-    assert "1 thread(s) beside 1 on " in result.stdout and ": 2 of 2 runs finished, in " in result.stdout
+    assert "1 thread beside 1 on " in result.stdout and ": 2 of 2 runs finished, in " in result.stdout
     result = subprocess.run(script + ["--runs", "1", "--limit", "0.1"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "runs.json").read_text())["runs"] == [None]
@@ -138,7 +138,7 @@ def test_ppo_jax_speed_measures_the_process_beside_the_compiled_program():
                             capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert any(line.startswith("(a) CartPole-v1, 1,024 steps x 2 agent(s): trace ") for line in lines), result.stdout
+    assert any(line.startswith("(a) CartPole-v1, 1,024 steps x 2 agents: trace ") for line in lines), result.stdout
     assert any(line.startswith("(b) python ppo_jax.py --num-seeds 2 --total-timesteps 1024: ") for line in lines)
     ratio = next(line for line in lines if "the process over the compiled program" in line)
     assert float(ratio.split("): ")[1].split("x")[0]) > 0
