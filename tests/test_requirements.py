@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT
 
 SCRIPTS = ["ppo_atari", "vpg_continuous", "ppo_jax"]
-# Imported only for `--track`, and left out of every file on purpose: it is optional.
+# Imported only for `--track`, and left out of the scripts' own files on purpose: it is optional (tests.txt has it).
 OPTIONAL = {"wandb"}
 
 

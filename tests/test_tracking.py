@@ -1,7 +1,8 @@
 """`--track`: each script sends its run to Weights & Biases, tested offline (WANDB_MODE=offline).
 
-wandb is an optional dependency, not in requirements.txt: where it is not installed, the offline
-runs are skipped, and the one-line message that asks for it is still tested."""
+wandb is optional for a user, in no script's own requirements file; requirements/tests.txt installs
+it, so that CI runs these offline runs. Where it is not installed they are skipped, and the one-line
+message that asks for it is still tested."""
 
 import os
 import subprocess
