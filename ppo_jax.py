@@ -1311,8 +1311,8 @@ class RunConfig(AtariConfig):
     eval_episodes: int = 10
     """Episodes to play with `--eval`."""
     capture_video: bool = False
-    """Record episodes to mp4s in <run dir>/videos: while training, one of the first agent's at every checkpoint (and
-    to W&B with `--track`); with `--eval`, each evaluation episode (on gymnax, the first agent's)."""
+    """Record episodes to mp4s in <run dir>/videos: while training, one of the first agent's at every checkpoint but
+    one of a stop (and to W&B with `--track`); with `--eval`, each evaluation episode (on gymnax, the first agent's)."""
     track: bool = False
     """Send the run to Weights & Biases, as CleanRL does: its TensorBoard scalars, and the videos of
     `--eval --capture-video` (needs `pip install wandb`)."""
@@ -2112,8 +2112,9 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
                 chunk = None if last else dispatch(max(1, min(length, int(CHUNK_SECONDS / fastest))))
                 run.log(metrics, runners.episodes, count, first_update, count * config.batch_size * config.num_seeds / seconds,
                         checkpoint=saved)
-                if update % config.checkpoint_every == 0 and config.capture_video:
-                    # An episode of the first agent's policy now, as CleanRL records its first env's.
+                if config.capture_video and saved is not None and signals.requested is None:
+                    # An episode of the first agent's policy now, as CleanRL records its first env's: at each
+                    # checkpoint of the schedule and at the end, the policy the run leaves (not on a stop).
                     agent = jax.tree.map(lambda value: value[0], (runners.agent.params, runners.normalizer))
                     videos = record_videos(config, env_id, make_env(env_id, 1, config), training.network, agent,
                                            jax.random.fold_in(keys[0], update), run.dir / "videos", f"train-update{update}")

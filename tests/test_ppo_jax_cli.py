@@ -337,13 +337,13 @@ def test_a_minatar_frame_is_its_grid_a_colour_a_cell():
 
 
 def test_training_records_an_episode_of_the_first_agent_at_each_checkpoint(run, tmp_path):
-    # 16 updates, a checkpoint every 8: two videos, each a whole CartPole episode of agent 0's policy
-    # as it was then (a frame per step, the first state included, the last step's reset not).
-    result = run(*SMALL, "--capture-video", "--run-dir", tmp_path)
+    # 16 updates, a checkpoint every 6 and the last at the end: three videos, each a whole CartPole
+    # episode of agent 0's policy as it was then (a frame per step, the first state included, the
+    # last step's reset not). The last is the policy the run leaves, though 16 is off the schedule.
+    result = run(*SMALL, "--checkpoint-every", 6, "--capture-video", "--run-dir", tmp_path)
     assert result.returncode == 0, result.stderr
-    videos = sorted((tmp_path / "videos").glob("*.mp4"))
-    assert [video.name for video in videos] == ["train-update16-CartPole-v1-episode00.mp4",
-                                                "train-update8-CartPole-v1-episode00.mp4"]
+    videos = sorted((tmp_path / "videos").glob("*.mp4"), key=lambda video: int(video.name.split("-")[1][6:]))
+    assert [video.name for video in videos] == [f"train-update{update}-CartPole-v1-episode00.mp4" for update in (6, 12, 16)]
     assert all(assert_plays(video, 600, 400) > 1 for video in videos)
     assert "step 4,096/4,096 x 2 agents" in result.stderr
 
