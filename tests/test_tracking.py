@@ -62,10 +62,10 @@ def run_offline(script: str, wandb_dir: Path, *args) -> subprocess.CompletedProc
 
 
 @pytest.mark.parametrize("script", list(TINY))
-def test_track_offline_keeps_the_tensorboard_scalars_and_the_config(script, tmp_path):
+def test_track_offline_keeps_the_tensorboard_scalars_the_config_and_the_videos(script, tmp_path):
     pytest.importorskip("wandb")
     result = run_offline(script, tmp_path, *TINY[script], "--track", "--wandb-project-name", "tests",
-                         "--run-dir", tmp_path / "run")
+                         "--capture-video", "--run-dir", tmp_path / "run")
     assert result.returncode == 0, result.stderr
     runs = offline_runs(tmp_path)
     assert len(runs) == 1
@@ -80,6 +80,11 @@ def test_track_offline_keeps_the_tensorboard_scalars_and_the_config(script, tmp_
     assert b"tests" in record  # the project named on the command line
     # The script itself (`save_code`), so that the run records the code that made it.
     assert f"{script}.py" in [path.name for path in runs[0].rglob("*") if path.is_file()]
+    # Every video training wrote, sent as it was written (by the torch scripts, each once its game or
+    # episode ended; by ppo_jax.py, the one of the last checkpoint).
+    written = [video for video in (tmp_path / "run" / "videos").glob("*.mp4") if not video.name.startswith(".")]
+    sent = list(runs[0].rglob("media/videos/*.mp4"))
+    assert len(sent) == len(written) > 0, (written, sent)
 
 
 def test_track_uploads_the_videos_of_an_evaluation(tmp_path):
