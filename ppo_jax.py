@@ -1314,8 +1314,8 @@ class RunConfig(AtariConfig):
     """Record episodes to mp4s in <run dir>/videos: while training, one of the first agent's at every checkpoint but
     one of a stop (and to W&B with `--track`); with `--eval`, each evaluation episode (on gymnax, the first agent's)."""
     track: bool = False
-    """Send the run to Weights & Biases, as CleanRL does: its TensorBoard scalars, and the videos of
-    `--eval --capture-video` (needs `pip install wandb`)."""
+    """Send the run to Weights & Biases, as CleanRL does: its TensorBoard scalars, and with `--capture-video` its
+    videos (needs `pip install wandb`)."""
     wandb_project_name: str = "policy-gradients"
     """The Weights & Biases project that `--track` sends the run to."""
     wandb_entity: str | None = None
@@ -2038,8 +2038,8 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
     A chunk is some updates of every agent, `train_chunk` under `vmap`. A call of a compiled program
     returns before the program has run, so the next chunk starts as soon as the last one is known
     not to have diverged, and the last one is logged while the next computes. Between chunks the
-    run saves a checkpoint every `--checkpoint-every` updates (and records an episode, with
-    `--capture-video`) and looks for a stop request. Chunks are sized by time, so that the progress
+    run saves a checkpoint every `--checkpoint-every` updates and at the end (and records an episode,
+    with `--capture-video`) and looks for a stop request. Chunks are sized by time, so that the progress
     line moves and Ctrl-C is answered within `CHUNK_SECONDS` or so, whatever an update costs (on a
     2-core CPU a MinAtar update takes a second, a CartPole update 4 ms): the first is one update,
     each next one as many as fit in `CHUNK_SECONDS` at the fastest speed a chunk has shown. (A chunk
