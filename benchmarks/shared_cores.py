@@ -123,8 +123,9 @@ def main() -> None:
             beside.wait()
     slow = sum(run is None for run in runs)
     totals = [sum(run["seconds"]) for run in runs if run is not None]
-    print(f"{args.threads} thread{'s' * (args.threads != 1)} beside {args.neighbour_threads} on {cores} cores: {len(totals)} of {args.runs} runs "
-          f"finished" + (f", in {min(totals):.2f} to {max(totals):.2f} s" if totals else "")
+    print(f"{args.threads} thread{'s' * (args.threads != 1)} beside {args.neighbour_threads} on {cores} cores: "
+          f"{len(totals)} of {args.runs} runs finished"
+          + (f", in {min(totals):.2f} to {max(totals):.2f} s" if totals else "")
           + (f"; {slow} stopped after {args.limit:g} s" if slow else ""))
     if args.json:
         args.json.write_text(json.dumps({"cores": cores, "threads": args.threads, "neighbour_threads": args.neighbour_threads,
