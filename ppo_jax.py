@@ -1311,9 +1311,8 @@ class RunConfig(AtariConfig):
     eval_episodes: int = 10
     """Episodes to play with `--eval`."""
     capture_video: bool = False
-    """Record episodes to mp4s in <run dir>/videos: while training, one of the first agent's at every checkpoint, not
-    one written on a stop (and to W&B with `--track`); with `--eval`, each evaluation episode (on gymnax, the first
-    agent's)."""
+    """Record episodes to mp4s in <run dir>/videos: in training, one of agent 0 at each checkpoint but a stop's (and to
+    W&B with `--track`); with `--eval`, each evaluation episode (on gymnax, the first agent's)."""
     track: bool = False
     """Send the run to Weights & Biases, as CleanRL does: its TensorBoard scalars, and with `--capture-video` its
     videos (needs `pip install wandb`)."""
