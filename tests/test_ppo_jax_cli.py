@@ -342,9 +342,8 @@ def test_training_records_an_episode_of_the_first_agent_at_each_checkpoint(run, 
     # last step's reset not). The last is the policy the run leaves, though 16 is off the schedule.
     result = run(*SMALL, "--checkpoint-every", 6, "--capture-video", "--run-dir", tmp_path)
     assert result.returncode == 0, result.stderr
-    videos = sorted((tmp_path / "videos").glob("*.mp4"), key=lambda video: int(video.name.split("-")[1][6:]))
-    assert [video.name for video in videos] == [f"train-update{update}-CartPole-v1-episode00.mp4"
-                                                for update in (6, 12, 16)]
+    videos = list((tmp_path / "videos").glob("*.mp4"))
+    assert {video.name for video in videos} == {f"train-update{update}-CartPole-v1-episode00.mp4" for update in (6, 12, 16)}
     assert all(assert_plays(video, 600, 400) > 1 for video in videos)
     assert "step 4,096/4,096 x 2 agents" in result.stderr
 
