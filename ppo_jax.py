@@ -1833,7 +1833,9 @@ def read_agent_series(path: str | Path) -> dict[str, np.ndarray]:
 # second aborts at once and writes none, once a checkpoint being written is whole. The exit status
 # is 128 plus the signal's number, 130 for Ctrl-C and 143 for SIGTERM, and the message names the
 # last checkpoint, one that exists, or says that none was written, as `ppo_atari.py`'s and
-# `vpg_continuous.py`'s do.
+# `vpg_continuous.py`'s do. One that comes in the last chunk finds nothing left to stop: the run ends
+# as done, with status 0, so that a job stopped then and requeued to resume is not refused for having
+# trained all its steps.
 #
 # Python runs a signal's handler between two steps of the main thread's bytecode, and this script's
 # main thread spends its time inside XLA, compiling for many seconds or waiting for a chunk of the
@@ -2132,7 +2134,7 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
         return 1
     with signals.writing:  # a second Ctrl-C's line, if it comes now, is the last (see `Signals`)
         run.progress.show(update * config.batch_size, final=True)
-        if signals.requested:
+        if signals.requested and update < config.num_updates:  # one heard in the last chunk found nothing to stop
             print(f"stopped at update {update}; resume with --resume {run.checkpoint_path}", file=sys.stderr)
             return 128 + signals.requested
         print(f"done: {update * config.batch_size:,} steps; checkpoint in {run.checkpoint_path}", file=sys.stderr)

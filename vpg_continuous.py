@@ -1900,7 +1900,9 @@ def train(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict | 
                             "update": spent["update"]})
                 if tracking is not None and config.capture_video:
                     send_new_videos(tracking, run_dir / "videos", sent_videos)
-                if requested := ranks.largest(signals.requested or 0, device):
+                # A stop asked for in the last update finds nothing left to stop: the run ends as done, so that a
+                # job its scheduler stopped then (and requeues to resume) is not refused for having trained it all.
+                if (requested := ranks.largest(signals.requested or 0, device)) and trainer.update < trainer.num_updates:
                     raise Stopped(requested)
                 if trainer.update % config.checkpoint_every == 0 and trainer.update < trainer.num_updates:
                     write_checkpoint()  # the last one, or the one after a stop, is written below

@@ -432,6 +432,33 @@ ppo_jax.compile_train_chunk = compile_slow_chunks"""
     assert_clean(watched)
 
 
+@pytest.mark.parametrize("in_chunk_to, status", [(4, 0), (2, 143)])
+def test_a_sigterm_in_the_last_chunk_finds_nothing_to_stop(in_chunk_to, status, environment, tmp_path):
+    # A scheduler's SIGTERM heard in the chunk that ends the run used to end it as stopped (143): a job requeued on
+    # that status then had its resume refused, every step being trained. It ends as done. The chunks of 4 updates
+    # with a checkpoint every 2 end at updates 1, 2 and 4; the signal comes while the one ending at IN_CHUNK_TO runs.
+    code = HOLD + f"""import os, signal
+real = ppo_jax.compile_train_chunk
+def compile_signalling_chunks(*args):
+    train_chunk, done = real(*args), [0]
+    def signalling(runners, count):
+        result = ppo_jax.jax.block_until_ready(train_chunk(runners, count))
+        done[0] += int(count)
+        if done[0] == {in_chunk_to}:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # for the signals' thread to hear it
+        return result
+    return signalling
+ppo_jax.compile_train_chunk = compile_signalling_chunks"""
+    result = ppo_jax_run(environment, patched(code), *SMALL, "--run-dir", tmp_path)
+    checkpoint = tmp_path / "checkpoint.msgpack"
+    assert result.returncode == status and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"done: 512 steps; checkpoint in {checkpoint}" if status == 0
+        else f"stopped at update 2; resume with --resume {checkpoint}")
+    assert read_checkpoint(checkpoint)["update"] == in_chunk_to
+
+
 @pytest.mark.parametrize("moment", ["saving", "closing"])
 def test_a_second_ctrl_c_while_saving_or_closing_aborts_naming_a_whole_checkpoint(moment, environment, tmp_path):
     # The first Ctrl-C stops training; the second comes while the final checkpoint is written, or while the

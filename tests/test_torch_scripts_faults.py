@@ -98,6 +98,27 @@ def test_a_second_ctrl_c_aborts_at_once_naming_the_last_checkpoint(script, phase
     assert not list(tmp_path.glob("*.tmp"))
 
 
+@pytest.mark.parametrize("in_update, status", [(2, 0), (1, 143)])
+def test_a_sigterm_in_the_last_update_finds_nothing_to_stop(script, in_update, status, tmp_path, monkeypatch,
+                                                             capsys):
+    # A scheduler's SIGTERM that comes in the last update used to end the run as stopped (143): a job
+    # requeued on that status then had its resume refused, every step being trained. It ends as done.
+    real_update = script.module.Trainer.update_policy
+
+    def update(self, rollout):
+        if self.update + 1 == in_update:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_update(self, rollout)
+
+    monkeypatch.setattr(script.module.Trainer, "update_policy", update)
+    got, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 256, "--run-dir", tmp_path)
+    assert got == status and "Traceback" not in stderr, stderr
+    path = tmp_path / "checkpoint.pt"
+    assert stderr.strip().splitlines()[-1] == (f"done: 256 steps; checkpoint in {path}" if status == 0
+                                               else f"stopped at update 1; resume with --resume {path}")
+    assert torch.load(path, weights_only=True)["update"] == in_update
+
+
 def test_a_ctrl_c_while_closing_does_not_cut_it_short(script, tmp_path, monkeypatch, capsys):
     real_close = script.module.Workers.close
 
