@@ -1470,13 +1470,15 @@ GYMNAX_FAMILIES = {
 def resolve_env(name: str) -> tuple[str, str]:
     """The id and family of the environment named `name`, or a `ConfigError` suggesting close names.
 
-    gymnax ids are matched ignoring case, then Atari games, by full id or by short name (`Breakout`
-    is Atari's Breakout; MinAtar's is `Breakout-MinAtar`).
+    gymnax ids are matched ignoring case, with or without their version (`cartpole` is CartPole-v1),
+    then Atari games, by full id or by short name (`Breakout` is Atari's Breakout; MinAtar's is
+    `Breakout-MinAtar`).
     """
     ids = atari_ids()
     short_names = {env_id[4:-3]: env_id for env_id in ids
                    if env_id.startswith("ALE/") and env_id.endswith("-v5") and "-ram" not in env_id}
-    known = {**{short.lower(): (env_id, "Atari") for short, env_id in short_names.items()},
+    known = {**{env_id.lower().rsplit("-v", 1)[0]: (env_id, family) for env_id, family in GYMNAX_FAMILIES.items()},
+             **{short.lower(): (env_id, "Atari") for short, env_id in short_names.items()},
              **{env_id.lower(): (env_id, family) for env_id, family in GYMNAX_FAMILIES.items()}}
     if name in ids or name.lower() in known:
         return (name, "Atari") if name in ids else known[name.lower()]

@@ -439,6 +439,17 @@ def one_line_error(result, message):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("name, env", [
+    ("CartPole-v1", ("CartPole-v1", "classic control")), ("acrobot", ("Acrobot-v1", "classic control")),
+    ("MountainCarContinuous", ("MountainCarContinuous-v0", "continuous control")),
+    ("breakout-minatar", ("Breakout-MinAtar", "MinAtar")), ("breakout", ("ALE/Breakout-v5", "Atari")),
+    ("ALE/Pong-v5", ("ALE/Pong-v5", "Atari")),
+])
+def test_an_environment_is_named_by_its_id_or_its_name_in_any_case(name, env):
+    # As vpg_continuous.py takes HalfCheetah for HalfCheetah-v5, and ppo_atari.py Breakout.
+    assert ppo_jax.resolve_env(name) == env
+
+
 @pytest.mark.parametrize("args, message", [
     (["--env", "CartPol"], "unknown environment 'CartPol'; did you mean CartPole-v1"),
     (["--total-timesteps", "lots"], "invalid integer value: 'lots'"),
