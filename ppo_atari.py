@@ -1885,6 +1885,8 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
             raise ConfigError(f"{run_dir} already holds another run's checkpoint; resume that one, or choose another "
                               f"--run-dir for this one" if checkpoint else f"{run_dir} already holds a checkpoint; "
                               f"resume it with --resume {checkpoint_path} or choose another --run-dir")
+        if ranks.is_main and checkpoint is None and (run_dir / "checkpoint.msgpack").exists():  # one run a directory
+            raise ConfigError(f"{run_dir} already holds a run of ppo_jax.py (checkpoint.msgpack); choose another --run-dir")
         torch.manual_seed(config.seed + ranks.rank)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         num_workers = config.num_workers or max(1, min(config.num_envs, cores // ranks.local_size))

@@ -1948,6 +1948,9 @@ class Run:
         if self.checkpoint_path.exists() and not (checkpoint and self.checkpoint_path.samefile(config.resume)):
             raise ConfigError(f"{self.dir} already holds a checkpoint{f' of another run than {config.resume}' if checkpoint else ''}; "
                               f"resume it with --resume {self.checkpoint_path} or choose another --run-dir")
+        if checkpoint is None and (self.dir / "checkpoint.pt").exists():  # one run a directory, whatever the script
+            raise ConfigError(f"{self.dir} already holds a run of ppo_atari.py or vpg_continuous.py (checkpoint.pt); "
+                              "choose another --run-dir")
         self.opened = contextlib.ExitStack()
         self.lock = self.opened.enter_context(open(writable_dir(self.dir) / "run.lock", "a+"))
         try:

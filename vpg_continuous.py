@@ -1839,6 +1839,8 @@ def train(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict | 
             raise ConfigError(f"{run_dir} already holds another run's checkpoint; resume that one, or choose another "
                               f"--run-dir for this one" if checkpoint else f"{run_dir} already holds a checkpoint; "
                               f"resume it with --resume {checkpoint_path} or choose another --run-dir")
+        if ranks.is_main and checkpoint is None and (run_dir / "checkpoint.msgpack").exists():  # one run a directory
+            raise ConfigError(f"{run_dir} already holds a run of ppo_jax.py (checkpoint.msgpack); choose another --run-dir")
         torch.manual_seed(config.seed + ranks.rank)
         first_update = checkpoint["update"] if checkpoint is not None else 0
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

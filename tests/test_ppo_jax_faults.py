@@ -184,6 +184,16 @@ def test_resuming_into_a_directory_that_holds_another_checkpoint_exits_2(small, 
     assert (other / "checkpoint.msgpack").read_bytes() == before
 
 
+def test_a_new_run_in_the_directory_of_a_pytorch_run_is_refused(capsys, tmp_path):
+    # Each script checked for its own checkpoint only, so a run of another wrote its events beside the first
+    # run's, and TensorBoard drew the two as one.
+    (tmp_path / "checkpoint.pt").write_bytes(b"ppo_atari.py's")
+    line = main_error(capsys, "--total-timesteps", 1024, "--run-dir", tmp_path)
+    assert line == (f"ppo_jax.py: error: {tmp_path} already holds a run of ppo_atari.py or vpg_continuous.py "
+                    "(checkpoint.pt); choose another --run-dir")
+    assert [path.name for path in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
 def test_two_writers_of_one_checkpoint_use_two_temporary_files(tmp_path, monkeypatch):
     # One writer renames its file while the other is between writing and renaming its own: with one
     # temporary name for both, the second rename finds nothing to rename.

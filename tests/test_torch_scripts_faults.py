@@ -391,6 +391,15 @@ def test_resuming_into_another_runs_directory_is_refused(script, tmp_path, capsy
     assert (tmp_path / "b" / "checkpoint.pt").read_bytes() == before
 
 
+def test_a_new_run_in_the_directory_of_a_ppo_jax_run_is_refused(script, tmp_path, capsys):
+    # Each script checked for its own checkpoint only, so a run of another wrote its events beside
+    # the first run's, and TensorBoard drew the two as one.
+    (tmp_path / "checkpoint.msgpack").write_bytes(b"ppo_jax.py's")
+    script.one_line_error(*script.run_main(capsys, *script.tiny, "--total-timesteps", 128, "--run-dir", tmp_path)[::2],
+                          f"{tmp_path} already holds a run of ppo_jax.py (checkpoint.msgpack); choose another --run-dir")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint.msgpack", "run.lock"]
+
+
 # ## Start-up faults
 
 
