@@ -154,6 +154,7 @@ def test_ppo_jax_speed_measures_the_process_beside_the_compiled_program():
     ("ppo_jax_speed.py", ["--total-timesteps", "100"], "--total-timesteps must be at least 512, not 100"),
     ("ppo_jax_chunks.py", ["--updates", "5"], "--updates must be at least 100, not 5"),
     ("ppo_jax_chunks.py", ["--script", "missing.py"], "--script missing.py is not a file"),
+    ("beside_cleanrl.py", ["--cleanrl", "."], "--cleanrl . holds no cleanrl/ppo_atari.py"),
     ("shared_cores.py", ["--runs", "0"], "argument --runs: must be at least 1, not 0"),
     ("shared_cores.py", ["--neighbour-threads", "two"], "argument --neighbour-threads: not a number: 'two'"),
 ])
@@ -164,6 +165,45 @@ def test_the_speed_benchmarks_refuse_bad_input_in_one_line(script, args, message
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"{script}: error: ") and message in last, result.stderr
+
+
+STAND_IN_CLEANRL = """import os, sys, time
+from pathlib import Path
+from torch.utils.tensorboard import SummaryWriter
+Path(os.environ["STAND_IN_NOTES"]).write_text(" ".join(sys.argv) + "\\n" + os.environ["PYTHONPATH"])
+writer = SummaryWriter("runs/stand-in")
+for step in (1024, 2048):  # CleanRL's SPS, once an update
+    writer.add_scalar("charts/SPS", 100, step)
+    time.sleep(0.5)
+writer.close()
+"""
+
+
+def test_beside_cleanrl_runs_both_scripts_in_turns(tmp_path):
+    # CleanRL's ppo_atari.py is not here: a stand-in takes its place, in a checkout's layout, and
+    # notes how it was run. ppo_atari.py runs for real, 2 updates of 8 games x 128 steps.
+    (tmp_path / "cleanrl" / "cleanrl").mkdir(parents=True)
+    (tmp_path / "cleanrl" / "cleanrl" / "ppo_atari.py").write_text(STAND_IN_CLEANRL)
+    (tmp_path / "site").mkdir()
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "beside_cleanrl.py"), "--cleanrl", "cleanrl",
+                             "--cleanrl-site", "site", "--total-timesteps", "2048", "--rounds", "1", "--json",
+                             "out.json"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env={**os.environ, "STAND_IN_NOTES": str(tmp_path / "argv.txt")})
+    assert result.returncode == 0, result.stderr
+    results = json.loads((tmp_path / "out.json").read_text())
+    assert results["device"] == "cpu" and results["total_timesteps"] == 2048
+    for name in ["ppo_atari.py", "CleanRL"]:
+        (run,) = results["runs"][name]
+        assert run["seconds"] > 0 and run == results["medians"][name]
+        assert run["sps_whole_process"] == pytest.approx(2048 / run["seconds"])
+    # The stand-in's two events, 1,024 steps and at least half a second apart (the clock's ticks aside).
+    assert 0 < results["runs"]["CleanRL"][0]["sps_between_events"] <= 2100
+    assert results["runs"]["ppo_atari.py"][0]["sps_between_events"] > 0
+    # Its runner ran the script by its path, with CleanRL's flags, its own libraries first on its path.
+    flags, path = (tmp_path / "argv.txt").read_text().splitlines()
+    assert flags == f"{tmp_path / 'cleanrl' / 'cleanrl' / 'ppo_atari.py'} --seed 1 --total-timesteps 2048 --no-cuda"
+    assert path.split(os.pathsep) == [str(tmp_path / "site"), str(tmp_path / "cleanrl")]
+    assert result.stdout.splitlines()[-1].startswith("Breakout, 2,048 steps, cpu, medians of 1: ppo_atari.py ")
 
 
 def busy_loops() -> list[str]:
