@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_checks.sh pytorch     (at most 7.7 minutes: the limits of its steps)
 #   bash benchmarks/gpu_checks.sh jax         (at most 7 minutes)
 #   bash benchmarks/gpu_checks.sh diagnose    (at most 6 minutes)
+#   bash benchmarks/gpu_checks.sh cleanrl     (at most 4 minutes)
 #
 # A lent machine runs one command for at most 10 minutes; `all` runs `pytorch` and `jax` in one: on
 # an NVIDIA H100 (2026-11-28) it took 483 s with the installs (the steps: 113, 22, 118, 204 and 23 s),
@@ -19,6 +20,12 @@
 #           minibatch steps launched one by one beside the graphed ones, in turns (`--eager-update`),
 #           and a run of 2,048 agents whose chunks are timed on the device (its idle time between
 #           them, and `in_dispatch_s`: whether a chunk's dispatch returns before it has run).
+#
+# cleanrl:  ppo_atari.py beside CleanRL's ppo_atari.py on CUDA, whole processes in turns
+#           (`beside_cleanrl.py`), as the issue measured them before the rollout was rewritten. It
+#           needs a checkout of vwxyzjn/cleanrl in `.cleanrl` and CleanRL's libraries as wheels in
+#           `.whl-peers/cleanrl` (`bash ../shared/hooks/gpu-wheels.sh --peers`, then `pip download
+#           --no-deps` of cloudpickle, farama-notifications and typing-extensions there), both carried.
 #
 # Each step has its own time limit and the script goes on after a failure, so that one slow step
 # does not cost the others; it ends with a line per step and its exit status. The measurements go
@@ -64,5 +71,11 @@ if [ "$part" = diagnose ]; then
         --precision fp32 --num-envs 8 32 --rounds 3 --eager-update --json "$out/throughput-eager-cuda-$gpu.json"
     step ppo-jax-chunks 90 python benchmarks/ppo_jax_chunks.py --seeds 2048 --part run --total-timesteps 204800 \
         --json "$out/ppo_jax-chunks-$gpu.json"
+fi
+if [ "$part" = cleanrl ]; then
+    python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/cleanrl-site \
+        .whl-peers/cleanrl/*.whl
+    step beside-cleanrl 240 python benchmarks/beside_cleanrl.py --cleanrl .cleanrl --cleanrl-site /tmp/cleanrl-site \
+        --device cuda --total-timesteps 24576 --rounds 2 --json "$out/beside-cleanrl-cuda-$gpu.json"
 fi
 printf '%s\n' "${summary[@]}"

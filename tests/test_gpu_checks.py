@@ -26,7 +26,7 @@ def steps(part: str) -> list[tuple[str, int, str]]:
 
 def test_it_parses_and_each_part_fits_one_command_of_a_lent_machine():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
-    for part in ("pytorch", "jax", "diagnose"):
+    for part in ("pytorch", "jax", "diagnose", "cleanrl"):
         assert steps(part) and sum(seconds for _, seconds, _ in steps(part)) <= 540, part
 
 
