@@ -448,7 +448,12 @@ def test_a_sigterm_in_the_last_chunk_finds_nothing_to_stop(in_chunk_to, status, 
     # that status then had its resume refused, every step being trained. It ends as done. The chunks of 4 updates
     # with a checkpoint every 2 end at updates 1, 2 and 4; the signal comes while the one ending at IN_CHUNK_TO runs.
     code = HOLD + f"""import os, signal
-real = ppo_jax.compile_train_chunk
+real, heard = ppo_jax.compile_train_chunk, []
+class Signals(ppo_jax.Signals):
+    def __init__(self):
+        super().__init__()
+        heard.append(self)
+ppo_jax.Signals = Signals
 def compile_signalling_chunks(*args):
     train_chunk, done = real(*args), [0]
     def signalling(runners, count):
@@ -456,7 +461,9 @@ def compile_signalling_chunks(*args):
         done[0] += int(count)
         if done[0] == {in_chunk_to}:
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(1)  # for the signals' thread to hear it
+            deadline = time.monotonic() + 60
+            while heard[0].requested is None and time.monotonic() < deadline:  # until the signals' thread hears it
+                time.sleep(0.01)
         return result
     return signalling
 ppo_jax.compile_train_chunk = compile_signalling_chunks"""
