@@ -42,7 +42,8 @@ RUN_CLEANRL = "import ale_py, runpy, sys; sys.argv = sys.argv[1:]; runpy.run_pat
 
 
 def commands(args: argparse.Namespace, run_dir: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """The command line of each script, run in `run_dir`, and its environment's additions."""
+    """The command line of each script, run in `run_dir`, and what its environment sets: CleanRL's path is its
+    own libraries and its checkout alone, so that none of this project's (gymnasium 1.3, say) comes first."""
     steps = str(args.total_timesteps)
     ours = [sys.executable, str(ROOT / "ppo_atari.py"), "--env", "Breakout", "--device", args.device,
             "--precision", "fp32", "--seed", "1", "--total-timesteps", steps, "--run-dir", str(run_dir / "run")]
