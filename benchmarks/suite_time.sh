@@ -12,6 +12,7 @@
 # --busy N  N busy loops beside the tests, started first and stopped at the end: each takes a share
 #           of the cores, as other work on a shared machine does.
 #
+# The tests run in `$PYTHON` (default: the `python` first on PATH, as in CI's activated venv).
 # The time is bash's `time` at the end of the output; pytest's own line says what passed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,4 +59,4 @@ for _ in $(seq 1 "$busy"); do
     loops+=($!)
 done
 trap '[ ${#loops[@]} -eq 0 ] || kill "${loops[@]}"; [ -z "${site:-}" ] || rm -rf "$site"' EXIT
-time python -m pytest -n 2 "$@"
+time "${PYTHON:-python}" -m pytest -n 2 "$@"

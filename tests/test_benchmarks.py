@@ -237,7 +237,8 @@ def test_as_avx2():
 """)
     result = subprocess.run(["bash", str(ROOT / "benchmarks" / "suite_time.sh"), "--avx2", "--busy", "1", "-q",
                              "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(probe)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+                            capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env={**os.environ, "PYTHON": sys.executable})  # this venv, first on PATH or not
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 passed" in result.stdout and "real" in result.stderr
     deadline = time.monotonic() + 10  # the loops are stopped as the script ends
