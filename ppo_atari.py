@@ -1650,8 +1650,8 @@ def load_checkpoint(path: str) -> dict:
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many kinds for a damaged file
-        raise ConfigError(f"cannot read checkpoint {path}: the file is damaged or not a checkpoint "
-                          f"({type(error).__name__})") from None
+        raise ConfigError(f"cannot read checkpoint {path}: the file is damaged or not a checkpoint of "
+                          f"ppo_atari.py ({type(error).__name__})") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{path} is not a ppo_atari.py checkpoint")
     missing = [field for field in CHECKPOINT_FIELDS if field not in checkpoint]

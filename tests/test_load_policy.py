@@ -110,5 +110,5 @@ def test_a_vpg_policy_normalises_with_its_checkpoints_statistics_and_stays_in_bo
 def test_a_path_that_is_not_a_checkpoint_is_a_config_error(tmp_path):
     (tmp_path / "x.pt").write_bytes(b"not a checkpoint")
     for module in (ppo_atari, vpg):
-        with pytest.raises(module.ConfigError, match="damaged or not a checkpoint"):
+        with pytest.raises(module.ConfigError, match=f"damaged or not a checkpoint of {module.__name__}.py"):
             module.load_policy(tmp_path / "x.pt")

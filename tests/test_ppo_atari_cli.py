@@ -174,7 +174,7 @@ def test_damaged_and_foreign_checkpoints_exit_2(trained, tmp_path):
     run_dir, _ = trained
     damaged = tmp_path / "damaged.pt"
     damaged.write_bytes((run_dir / "checkpoint.pt").read_bytes()[:5000])
-    one_line_error(run("--eval", damaged), "the file is damaged or not a checkpoint")
+    one_line_error(run("--eval", damaged), "the file is damaged or not a checkpoint of ppo_atari.py")
     not_ours = tmp_path / "weights.pt"
     torch.save({"model": {}}, not_ours)
     one_line_error(run("--eval", not_ours), "is not a ppo_atari.py checkpoint")

@@ -497,7 +497,7 @@ def test_damaged_and_foreign_checkpoints_exit_2(trained, tmp_path, capsys):
 
     damaged = tmp_path / "damaged.msgpack"
     damaged.write_bytes(checkpoint_path.read_bytes()[:5000])
-    assert "the file is damaged or not a checkpoint" in error("--eval", damaged)
+    assert "the file is damaged or not a checkpoint of ppo_jax.py" in error("--eval", damaged)
     not_ours = tmp_path / "weights.msgpack"
     not_ours.write_bytes(flax.serialization.msgpack_serialize({"params": {"w": np.zeros(3)}}))
     assert f"{not_ours} is not a ppo_jax.py checkpoint" in error("--eval", not_ours)

@@ -286,7 +286,7 @@ def test_damaged_and_foreign_checkpoints_exit_2(trained, tmp_path, capsys):
     checkpoint = run_dir / "checkpoint.pt"
     damaged = tmp_path / "damaged.pt"
     damaged.write_bytes(checkpoint.read_bytes()[:5000])
-    one_line_error(*run_main(capsys, "--eval", damaged)[::2], "the file is damaged or not a checkpoint")
+    one_line_error(*run_main(capsys, "--eval", damaged)[::2], "the file is damaged or not a checkpoint of vpg_continuous.py")
     not_ours = tmp_path / "weights.pt"
     torch.save({"model": {}}, not_ours)
     one_line_error(*run_main(capsys, "--eval", not_ours)[::2], "is not a vpg_continuous.py checkpoint")
