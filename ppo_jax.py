@@ -1827,7 +1827,7 @@ def read_agent_series(path: str | Path) -> dict[str, np.ndarray]:
     return {name: records[len(records) - 1 - last][name] for name in records.dtype.names}
 
 
-# ### Ctrl-C and SIGTERM
+# ### Ctrl-C, SIGTERM and SIGHUP
 #
 # Before training begins there is nothing to save, and Ctrl-C (or SIGTERM) exits at once. During
 # training, the first asks the run to stop at the next safe point, the end of the chunk being
@@ -1837,7 +1837,10 @@ def read_agent_series(path: str | Path) -> dict[str, np.ndarray]:
 # last checkpoint, one that exists, or says that none was written, as `ppo_atari.py`'s and
 # `vpg_continuous.py`'s do. One that comes in the last chunk finds nothing left to stop: the run ends
 # as done, with status 0, so that a job stopped then and requeued to resume is not refused for having
-# trained all its steps.
+# trained all its steps. SIGHUP, what a run gets when its terminal goes (the window closed, the ssh
+# connection dropped), does what SIGTERM does, status 129, and from then on what the run prints on
+# that terminal goes to /dev/null: a line printed there would fail ("input/output error"). A run
+# started to outlive its terminal, under `nohup`, which ignores SIGHUP, keeps it ignored.
 #
 # Python runs a signal's handler between two steps of the main thread's bytecode, and this script's
 # main thread spends its time inside XLA, compiling for many seconds or waiting for a chunk of the
@@ -1856,7 +1859,7 @@ def read_agent_series(path: str | Path) -> dict[str, np.ndarray]:
 
 
 class Signals:
-    """Ctrl-C (SIGINT) and SIGTERM, heard by a thread of their own while the `with` block runs.
+    """Ctrl-C (SIGINT), SIGTERM and SIGHUP, heard by a thread of their own while the `with` block runs.
 
     Once `training` is set, the first signal becomes `requested`: the run stops at its next safe
     point. Any other ends the process at once, naming `last_checkpoint()`, once `writing` is free: a
@@ -1868,7 +1871,9 @@ class Signals:
         self.last_checkpoint: Callable[[], Path | None] = lambda: None
 
     def __enter__(self) -> Signals:
-        self.handlers = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+        hangup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN else []  # `nohup` ignores it
+        self.terminal = [fd for fd in (1, 2) if os.isatty(fd)]  # stdout and stderr that are a terminal, known while it is there
+        self.handlers = {sig: signal.signal(sig, lambda signum, frame: None) for sig in [signal.SIGINT, signal.SIGTERM, *hangup]}
         self.pipe = os.pipe()
         os.set_blocking(self.pipe[1], False)
         self.wakeup = signal.set_wakeup_fd(self.pipe[1])
@@ -1878,6 +1883,10 @@ class Signals:
 
     def listen(self) -> None:
         while (signum := os.read(self.pipe[0], 1)[0]) != 0:  # a zero byte: `__exit__` asks the thread to end
+            if signum == signal.SIGHUP:  # the terminal is gone: what would be printed on it goes nowhere
+                for fd in self.terminal:
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+                self.terminal = []
             if self.training and self.requested is None:
                 with self.writing:  # between two lines of the run, and before the stop it announces
                     print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
@@ -1909,7 +1918,7 @@ class Signals:
 # | how it ends | status | the line |
 # |---|---|---|
 # | all its updates done | 0 | `done: N steps; checkpoint in PATH` |
-# | Ctrl-C or SIGTERM | 130 or 143 | `stopped at update K; resume with --resume PATH` |
+# | Ctrl-C, SIGTERM or SIGHUP | 130, 143 or 129 | `stopped at update K; resume with --resume PATH` |
 # | the update diverged (`diverged`, Part 1) | 1 | `diverged at update K ...; the last good checkpoint is PATH` |
 # | a file could not be written (a full disk) | 1 | `ppo_jax.py: error: no space left on device while writing PATH; ...` |
 #
@@ -2482,8 +2491,9 @@ def describe_devices(mesh: Mesh, num_seeds: int) -> str:
 if __name__ == "__main__":
     status = main()
     # Nothing is left to stop while Python and JAX shut down. A handler that does nothing first, so
-    # that a Ctrl-C on its way is dropped (under `SIG_IGN` alone, one arriving as it is set would
+    # that a Ctrl-C or hang-up on its way is dropped (under `SIG_IGN` alone, one arriving as it is set would
     # print "ignored due to race condition"); then `SIG_IGN`, which the shutdown keeps.
-    signal.signal(signal.SIGINT, lambda signum, frame: None)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: None)
+        signal.signal(sig, signal.SIG_IGN)
     sys.exit(status)

@@ -1708,13 +1708,18 @@ def log_update(writer, step: int, stats: dict[str, float], finished_episodes: li
 
 # ### Signals
 #
-# Ctrl-C (SIGINT) and SIGTERM reach one handler, `Signals.handle`, which decides by the phase of the
-# run. While the workers start, before training begins, a signal aborts at once: nothing is trained
+# Ctrl-C (SIGINT), SIGTERM and SIGHUP reach one handler, `Signals.handle`, which decides by the phase
+# of the run. While the workers start, before training begins, a signal aborts at once: nothing is trained
 # yet. During training the first asks for a stop at the next safe point, between two steps of the
 # envs (the unfinished rollout is dropped) or after an update: the checkpoint is written, the
 # resume line printed, and the exit status is 128 plus the signal's number. A second one aborts at
 # once, with no new checkpoint, naming the last one there is. While a checkpoint is written, signals
 # wait until it is whole (`held`); once the last one is written, they cannot cut the closing short.
+#
+# SIGHUP is what a run gets when its terminal goes (the window closed, the ssh connection dropped):
+# it stops the run as SIGTERM does, and from then on what the run prints on that terminal goes to
+# /dev/null, since a line printed there would fail ("input/output error") and turn the stop into a
+# traceback. A run started to outlive its terminal, under `nohup`, which ignores SIGHUP, keeps it ignored.
 
 
 class Aborted(KeyboardInterrupt):
@@ -1730,7 +1735,7 @@ class Stopped(Exception):
 
 
 class Signals:
-    """Ctrl-C and SIGTERM for the life of a run, a context manager that installs `handle`.
+    """Ctrl-C, SIGTERM and SIGHUP for the life of a run, a context manager that installs `handle`.
 
     `requested` is the number of training's first signal, the request to stop. A second signal
     within `same_within` seconds of it is the same request: under torchrun a terminal's Ctrl-C
@@ -1748,6 +1753,10 @@ class Signals:
         self.announce, self.same_within = announce, same_within
 
     def handle(self, signum: int, frame: object = None) -> None:
+        if signum == signal.SIGHUP:  # the terminal is gone: what would be printed on it goes nowhere
+            for fd in self.terminal:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+            self.terminal = []
         if self.closing:
             return
         if self.waiting is not None:
@@ -1781,7 +1790,9 @@ class Signals:
                 self.handle(signum)
 
     def __enter__(self) -> Signals:
-        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        hangup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN else []  # `nohup` ignores it
+        self.terminal = [fd for fd in (1, 2) if os.isatty(fd)]  # stdout and stderr that are a terminal, known while it is there
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in [signal.SIGINT, signal.SIGTERM, *hangup]}
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -2581,7 +2592,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, interrupt_until_the_run_is_over)
     status = main()
     run_over = True
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, interrupt_until_the_run_is_over)
         signal.signal(sig, signal.SIG_IGN)
     exit_process(status, ranks=int(os.environ.get("WORLD_SIZE", "1")))

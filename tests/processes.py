@@ -1,13 +1,19 @@
-"""What the tests of all three scripts ask about processes: are they alive, whose children are they,
-and a deadline so that a test fails instead of hanging. Read from Linux's /proc."""
+"""What the tests of all three scripts ask about processes: are they alive, whose children are they
+(read from Linux's /proc), a deadline so that a test fails instead of hanging, and a terminal to run
+a script on and hang up."""
 
 import contextlib
+import fcntl
 import functools
 import os
+import pty
+import select
 import signal
 import socket
 import subprocess
 import sys
+import termios
+import time
 from pathlib import Path
 
 
@@ -95,3 +101,31 @@ def in_a_fresh_process(test):
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
     return run_elsewhere
+
+
+def on_a_terminal(argv: list[str], **popen_kwargs) -> tuple[subprocess.Popen, int]:
+    """`argv` started as a user's program in a terminal window: a session of its own whose controlling
+    terminal is a new pseudo-terminal, stdin, stdout and stderr on it. Returns the process and the
+    terminal's other end (what the window holds), whose output `read_until` reads; closing it is the
+    terminal hanging up, as a closed window or a dropped ssh connection does (the kernel then sends the
+    session SIGHUP)."""
+    window, terminal = pty.openpty()
+
+    def lead_a_session_on_the_terminal():
+        os.setsid()
+        fcntl.ioctl(terminal, termios.TIOCSCTTY, 0)
+
+    process = subprocess.Popen(argv, stdin=terminal, stdout=terminal, stderr=terminal,
+                               preexec_fn=lead_a_session_on_the_terminal, **popen_kwargs)
+    os.close(terminal)
+    return process, window
+
+
+def read_until(window: int, text: str, seconds: float = 120) -> str:
+    """What the terminal shows until `text` appears on it; `TimeoutError` after `seconds`."""
+    seen, end = b"", time.monotonic() + seconds
+    while text.encode() not in seen:
+        if not select.select([window], [], [], max(0.0, end - time.monotonic()))[0]:
+            raise TimeoutError(f"{text!r} not shown after {seconds} s: {seen.decode(errors='replace')[-2000:]}")
+        seen += os.read(window, 65536)
+    return seen.decode(errors="replace")

@@ -3,6 +3,7 @@ runs in one directory, damaged checkpoints. Each is one line and an exit status,
 never a traceback, and every checkpoint a message names exists."""
 
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import ppo_jax
 from conftest import ROOT
 from ppo_jax_runs import SCRIPT, Watched, environment, patched, read_checkpoint, run  # noqa: F401 (fixtures)
 from ppo_jax_runs import note_dispatches
+from processes import on_a_terminal, read_until
 
 
 def ppo_jax_run(environment, command, *args, timeout=300):
@@ -474,6 +476,42 @@ ppo_jax.compile_train_chunk = compile_signalling_chunks"""
         f"done: 512 steps; checkpoint in {checkpoint}" if status == 0
         else f"stopped at update 2; resume with --resume {checkpoint}")
     assert read_checkpoint(checkpoint)["update"] == in_chunk_to
+
+
+def test_a_terminal_that_hangs_up_stops_the_run_with_a_checkpoint(environment, tmp_path):
+    # The terminal's window closed, its ssh connection dropped: the kernel sends the session SIGHUP,
+    # which used to kill the run with all it had trained since its last checkpoint.
+    process, window = on_a_terminal([sys.executable, SCRIPT, *map(str, LONG), "--run-dir", str(tmp_path)], cwd=ROOT,
+                                    env=environment)
+    try:
+        read_until(window, "step ")  # the progress line: a chunk is done
+        os.close(window)
+        assert process.wait(timeout=60) == 128 + signal.SIGHUP
+    finally:
+        process.kill()
+    assert read_checkpoint(tmp_path / "checkpoint.msgpack")["update"] >= 1
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_run_started_under_nohup_outlives_its_terminal(environment, tmp_path):
+    # `nohup` starts a run with SIGHUP ignored, to outlive its terminal: the run keeps it so. The hang-up comes
+    # after the first chunk.
+    code = HOLD + """import os, signal
+real = ppo_jax.compile_train_chunk
+def compile_hanging_up_chunks(*args):
+    train_chunk = real(*args)
+    def hanging_up(runners, count):
+        result = ppo_jax.jax.block_until_ready(train_chunk(runners, count))
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(0.5)  # time for the signals' thread to hear it, were it listening
+        return result
+    return hanging_up
+ppo_jax.compile_train_chunk = compile_hanging_up_chunks"""
+    result = subprocess.run(patched(code) + [*map(str, SMALL), "--run-dir", str(tmp_path)], capture_output=True,
+                            text=True, timeout=300, cwd=ROOT, env=environment,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == f"done: 512 steps; checkpoint in {tmp_path / 'checkpoint.msgpack'}"
 
 
 @pytest.mark.parametrize("moment", ["saving", "closing"])

@@ -18,8 +18,8 @@ import typing
 import pytest
 import torch
 
-from processes import alive, process_tree
-from torch_scripts import IDS, SCRIPTS, Script
+from processes import alive, on_a_terminal, process_tree, read_until
+from torch_scripts import IDS, ROOT, SCRIPTS, Script
 
 
 @pytest.fixture(params=SCRIPTS, ids=IDS)
@@ -200,6 +200,41 @@ def test_ctrl_c_while_the_workers_start(script, tmp_path, presses):
     assert not (tmp_path / "checkpoint.pt").exists()
     time.sleep(0.5)
     assert not [pid for pid in workers if alive(pid)]
+
+
+
+def test_a_terminal_that_hangs_up_stops_the_run_with_a_checkpoint(script, tmp_path):
+    # The terminal's window closed, its ssh connection dropped: the kernel sends the session SIGHUP,
+    # which used to kill the run with all it had trained since its last checkpoint (none here).
+    process, window = on_a_terminal([sys.executable, script.path, *map(str, [*script.tiny, "--total-timesteps", 10**7,
+                                                                             "--checkpoint-every", 10**6, "--run-dir",
+                                                                             tmp_path])], cwd=ROOT)
+    try:
+        read_until(window, "step ")  # the progress line: an update is done
+        workers = process_tree(process.pid)
+        os.close(window)
+        assert process.wait(timeout=60) == 128 + signal.SIGHUP
+    finally:
+        process.kill()
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] >= 1
+    assert not list(tmp_path.glob("*.tmp"))
+    time.sleep(0.5)
+    assert not [pid for pid in workers if alive(pid)]
+
+
+def test_a_run_started_under_nohup_outlives_its_terminal(script, tmp_path):
+    # `nohup` starts a run with SIGHUP ignored, to outlive its terminal: the run keeps it so.
+    process = subprocess.Popen([sys.executable, script.path, *map(str, [*script.tiny, "--total-timesteps", 128 * 20,
+                                                                        "--run-dir", tmp_path])],
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        wait_for(process, "training on")
+        os.killpg(process.pid, signal.SIGHUP)  # the run and its workers, as the terminal's hang-up reaches them
+        _, errors = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 0 and "done: 2,560 steps" in errors, errors
 
 
 # ## A diverging update
