@@ -114,6 +114,7 @@ def on_a_terminal(argv: list[str], **popen_kwargs) -> tuple[subprocess.Popen, in
     def lead_a_session_on_the_terminal():
         os.setsid()
         fcntl.ioctl(terminal, termios.TIOCSCTTY, 0)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a shell starts it, whatever the tests run under (`nohup`)
 
     process = subprocess.Popen(argv, stdin=terminal, stdout=terminal, stderr=terminal,
                                preexec_fn=lead_a_session_on_the_terminal, **popen_kwargs)
