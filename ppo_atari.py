@@ -1760,9 +1760,11 @@ def log_update(writer, step: int, stats: dict[str, float], finished_games: list,
 # wait until it is whole (`held`); once the last one is written, they cannot cut the closing short.
 #
 # SIGHUP is what a run gets when its terminal goes (the window closed, the ssh connection dropped):
-# it stops the run as SIGTERM does, and from then on what the run prints on that terminal goes to
-# /dev/null, since a line printed there would fail ("input/output error") and turn the stop into a
-# traceback. A run started to outlive its terminal, under `nohup`, which ignores SIGHUP, keeps it ignored.
+# it stops the run as SIGTERM does. A run started to outlive its terminal, under `nohup`, which
+# ignores SIGHUP, keeps it ignored. Either way a line printed on a terminal that is gone fails
+# ("input/output error"), which would end the run in a traceback; the run then prints to /dev/null
+# instead (`Terminal`), so that a stop still writes its checkpoint, and a run left behind with
+# `& disown`, which never hears the SIGHUP, trains on.
 
 
 class Aborted(KeyboardInterrupt):
@@ -1796,10 +1798,6 @@ class Signals:
         self.announce, self.same_within = announce, same_within
 
     def handle(self, signum: int, frame: object = None) -> None:
-        if signum == signal.SIGHUP:  # the terminal is gone: what would be printed on it goes nowhere
-            for fd in self.terminal:
-                os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
-            self.terminal = []
         if self.closing:
             return
         if self.waiting is not None:
@@ -1834,7 +1832,6 @@ class Signals:
 
     def __enter__(self) -> Signals:
         hangup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN else []  # `nohup` ignores it
-        self.terminal = [fd for fd in (1, 2) if os.isatty(fd)]  # stdout and stderr that are a terminal, known while it is there
         self.previous = {sig: signal.signal(sig, self.handle) for sig in [signal.SIGINT, signal.SIGTERM, *hangup]}
         return self
 
@@ -1842,6 +1839,29 @@ class Signals:
         Signals.closed = self.closing  # first: the handler given back may run as soon as it is
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+class Terminal:
+    """stdout or stderr on a terminal: once writing there fails, the terminal being gone, `/dev/null` instead."""
+
+    def __init__(self, stream: typing.TextIO):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self.guarded(self.stream.write, text)
+
+    def flush(self) -> None:
+        self.guarded(self.stream.flush)
+
+    def guarded(self, call: typing.Callable, *args):
+        try:
+            return call(*args)
+        except OSError:  # what is still in the stream's buffer goes to /dev/null too
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            return call(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
 
 
 class RunWorkers(Workers):
@@ -2483,6 +2503,7 @@ if __name__ == "__main__":
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, interrupt_until_the_run_is_over)
+    sys.stdout, sys.stderr = (Terminal(stream) if stream.isatty() else stream for stream in (sys.stdout, sys.stderr))
     status = main()
     run_over = True
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

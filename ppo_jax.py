@@ -1838,9 +1838,11 @@ def read_agent_series(path: str | Path) -> dict[str, np.ndarray]:
 # `vpg_continuous.py`'s do. One that comes in the last chunk finds nothing left to stop: the run ends
 # as done, with status 0, so that a job stopped then and requeued to resume is not refused for having
 # trained all its steps. SIGHUP, what a run gets when its terminal goes (the window closed, the ssh
-# connection dropped), does what SIGTERM does, status 129, and from then on what the run prints on
-# that terminal goes to /dev/null: a line printed there would fail ("input/output error"). A run
-# started to outlive its terminal, under `nohup`, which ignores SIGHUP, keeps it ignored.
+# connection dropped), does what SIGTERM does, status 129. A run started to outlive its terminal,
+# under `nohup`, which ignores SIGHUP, keeps it ignored. Either way a line printed on a terminal
+# that is gone fails ("input/output error"), which would end the run in a traceback; the run then
+# prints to /dev/null instead (`Terminal`), so that a stop still writes its checkpoint, and a run
+# left behind with `& disown`, which never hears the SIGHUP, trains on.
 #
 # Python runs a signal's handler between two steps of the main thread's bytecode, and this script's
 # main thread spends its time inside XLA, compiling for many seconds or waiting for a chunk of the
@@ -1872,7 +1874,6 @@ class Signals:
 
     def __enter__(self) -> Signals:
         hangup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN else []  # `nohup` ignores it
-        self.terminal = [fd for fd in (1, 2) if os.isatty(fd)]  # stdout and stderr that are a terminal, known while it is there
         self.handlers = {sig: signal.signal(sig, lambda signum, frame: None) for sig in [signal.SIGINT, signal.SIGTERM, *hangup]}
         self.pipe = os.pipe()
         os.set_blocking(self.pipe[1], False)
@@ -1883,10 +1884,6 @@ class Signals:
 
     def listen(self) -> None:
         while (signum := os.read(self.pipe[0], 1)[0]) != 0:  # a zero byte: `__exit__` asks the thread to end
-            if signum == signal.SIGHUP:  # the terminal is gone: what would be printed on it goes nowhere
-                for fd in self.terminal:
-                    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
-                self.terminal = []
             if self.training and self.requested is None:
                 with self.writing:  # between two lines of the run, and before the stop it announces
                     print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
@@ -1908,6 +1905,29 @@ class Signals:
         self.listener.join()
         for end in self.pipe:
             os.close(end)
+
+
+class Terminal:
+    """stdout or stderr on a terminal: once writing there fails, the terminal being gone, `/dev/null` instead."""
+
+    def __init__(self, stream: typing.TextIO):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self.guarded(self.stream.write, text)
+
+    def flush(self) -> None:
+        self.guarded(self.stream.flush)
+
+    def guarded(self, call: Callable, *args):
+        try:
+            return call(*args)
+        except OSError:  # what is still in the stream's buffer goes to /dev/null too
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            return call(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
 
 
 # ### The training runs
@@ -2489,6 +2509,7 @@ def describe_devices(mesh: Mesh, num_seeds: int) -> str:
 
 
 if __name__ == "__main__":
+    sys.stdout, sys.stderr = (Terminal(stream) if stream.isatty() else stream for stream in (sys.stdout, sys.stderr))
     status = main()
     # Nothing is left to stop while Python and JAX shut down. A handler that does nothing first, so
     # that a Ctrl-C or hang-up on its way is dropped (under `SIG_IGN` alone, one arriving as it is set would

@@ -103,18 +103,20 @@ def in_a_fresh_process(test):
     return run_elsewhere
 
 
-def on_a_terminal(argv: list[str], **popen_kwargs) -> tuple[subprocess.Popen, int]:
+def on_a_terminal(argv: list[str], hangup=signal.SIG_DFL, **popen_kwargs) -> tuple[subprocess.Popen, int]:
     """`argv` started as a user's program in a terminal window: a session of its own whose controlling
     terminal is a new pseudo-terminal, stdin, stdout and stderr on it. Returns the process and the
     terminal's other end (what the window holds), whose output `read_until` reads; closing it is the
     terminal hanging up, as a closed window or a dropped ssh connection does (the kernel then sends the
-    session SIGHUP)."""
+    session SIGHUP). `hangup` is what the program starts with for SIGHUP: its default, as a shell starts
+    it, whatever the tests run under (`nohup`), or `SIG_IGN` for a program that never hears it (one
+    left behind with `& disown`)."""
     window, terminal = pty.openpty()
 
     def lead_a_session_on_the_terminal():
         os.setsid()
         fcntl.ioctl(terminal, termios.TIOCSCTTY, 0)
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a shell starts it, whatever the tests run under (`nohup`)
+        signal.signal(signal.SIGHUP, hangup)
 
     process = subprocess.Popen(argv, stdin=terminal, stdout=terminal, stderr=terminal,
                                preexec_fn=lead_a_session_on_the_terminal, **popen_kwargs)

@@ -4,6 +4,7 @@ never a traceback, and every checkpoint a message names exists."""
 
 import dataclasses
 import os
+import pty
 import signal
 import subprocess
 import sys
@@ -493,25 +494,30 @@ def test_a_terminal_that_hangs_up_stops_the_run_with_a_checkpoint(environment, t
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_a_run_started_under_nohup_outlives_its_terminal(environment, tmp_path):
-    # `nohup` starts a run with SIGHUP ignored, to outlive its terminal: the run keeps it so. The hang-up comes
-    # after the first chunk.
-    code = HOLD + """import os, signal
-real = ppo_jax.compile_train_chunk
-def compile_hanging_up_chunks(*args):
-    train_chunk = real(*args)
-    def hanging_up(runners, count):
-        result = ppo_jax.jax.block_until_ready(train_chunk(runners, count))
-        os.kill(os.getpid(), signal.SIGHUP)
-        time.sleep(0.5)  # time for the signals' thread to hear it, were it listening
-        return result
-    return hanging_up
-ppo_jax.compile_train_chunk = compile_hanging_up_chunks"""
-    result = subprocess.run(patched(code) + [*map(str, SMALL), "--run-dir", str(tmp_path)], capture_output=True,
-                            text=True, timeout=300, cwd=ROOT, env=environment,
-                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
-    assert result.returncode == 0, result.stderr
-    assert result.stderr.strip().splitlines()[-1] == f"done: 512 steps; checkpoint in {tmp_path / 'checkpoint.msgpack'}"
+def test_a_run_that_outlives_its_terminal_trains_on(environment, tmp_path):
+    # A run left behind with `& disown` (or started under `nohup`) never hears the hang-up, but its stdout and
+    # stderr are still the terminal: its next line there failed ("input/output error"), and the run ended with it.
+    process, window = on_a_terminal([sys.executable, SCRIPT, *map(str, SMALL), "--run-dir", str(tmp_path)],
+                                    hangup=signal.SIG_IGN, cwd=ROOT, env=environment)
+    try:
+        read_until(window, "step ")
+        os.close(window)
+        assert process.wait(timeout=120) == 0
+    finally:
+        process.kill()
+    assert read_checkpoint(tmp_path / "checkpoint.msgpack")["global_step"] == 512
+
+
+def test_a_terminal_that_is_gone_becomes_dev_null():
+    window, terminal = pty.openpty()
+    stream = ppo_jax.Terminal(os.fdopen(terminal, "w"))
+    try:
+        os.close(window)  # the terminal hangs up: writing there fails
+        print("a line for nobody", file=stream, flush=True)
+        assert os.readlink(f"/proc/self/fd/{terminal}") == os.devnull
+        print("and another", file=stream, flush=True)
+    finally:
+        stream.close()
 
 
 @pytest.mark.parametrize("moment", ["saving", "closing"])

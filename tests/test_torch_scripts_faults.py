@@ -9,6 +9,7 @@ import dataclasses
 import errno
 import math
 import os
+import pty
 import signal
 import subprocess
 import sys
@@ -222,19 +223,32 @@ def test_a_terminal_that_hangs_up_stops_the_run_with_a_checkpoint(script, tmp_pa
     assert not [pid for pid in workers if alive(pid)]
 
 
-def test_a_run_started_under_nohup_outlives_its_terminal(script, tmp_path):
-    # `nohup` starts a run with SIGHUP ignored, to outlive its terminal: the run keeps it so.
-    process = subprocess.Popen([sys.executable, script.path, *map(str, [*script.tiny, "--total-timesteps", 128 * 20,
-                                                                        "--run-dir", tmp_path])],
-                               stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+def test_a_run_that_outlives_its_terminal_trains_on(script, tmp_path):
+    # A run left behind with `& disown` (or started under `nohup`) never hears the hang-up, but its
+    # stdout and stderr are still the terminal: its next line there failed ("input/output error"),
+    # and the run ended with it.
+    process, window = on_a_terminal([sys.executable, script.path, *map(str, [*script.tiny, "--total-timesteps", 128 * 20,
+                                                                             "--run-dir", tmp_path])],
+                                    hangup=signal.SIG_IGN, cwd=ROOT)
     try:
-        wait_for(process, "training on")
-        os.killpg(process.pid, signal.SIGHUP)  # the run and its workers, as the terminal's hang-up reaches them
-        _, errors = process.communicate(timeout=120)
+        read_until(window, "step ")
+        os.close(window)
+        assert process.wait(timeout=120) == 0
     finally:
         process.kill()
-    assert process.returncode == 0 and "done: 2,560 steps" in errors, errors
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["global_step"] == 128 * 20
+
+
+def test_a_terminal_that_is_gone_becomes_dev_null(script):
+    window, terminal = pty.openpty()
+    stream = script.module.Terminal(os.fdopen(terminal, "w"))
+    try:
+        os.close(window)  # the terminal hangs up: writing there fails
+        print("a line for nobody", file=stream, flush=True)
+        assert os.readlink(f"/proc/self/fd/{terminal}") == os.devnull
+        print("and another", file=stream, flush=True)
+    finally:
+        stream.close()
 
 
 # ## A diverging update
