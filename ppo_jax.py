@@ -2512,8 +2512,8 @@ if __name__ == "__main__":
     sys.stdout, sys.stderr = (Terminal(stream) if stream.isatty() else stream for stream in (sys.stdout, sys.stderr))
     status = main()
     # Nothing is left to stop while Python and JAX shut down. A handler that does nothing first, so
-    # that a Ctrl-C or hang-up on its way is dropped (under `SIG_IGN` alone, one arriving as it is set would
-    # print "ignored due to race condition"); then `SIG_IGN`, which the shutdown keeps.
+    # that a Ctrl-C or a hang-up on its way is dropped (under `SIG_IGN` alone, one arriving as it is
+    # set would print "ignored due to race condition"); then `SIG_IGN`, which the shutdown keeps.
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: None)
         signal.signal(sig, signal.SIG_IGN)

@@ -1708,13 +1708,14 @@ def log_update(writer, step: int, stats: dict[str, float], finished_episodes: li
 
 # ### Signals
 #
-# Ctrl-C (SIGINT), SIGTERM and SIGHUP reach one handler, `Signals.handle`, which decides by the phase
-# of the run. While the workers start, before training begins, a signal aborts at once: nothing is trained
-# yet. During training the first asks for a stop at the next safe point, between two steps of the
-# envs (the unfinished rollout is dropped) or after an update: the checkpoint is written, the
-# resume line printed, and the exit status is 128 plus the signal's number. A second one aborts at
-# once, with no new checkpoint, naming the last one there is. While a checkpoint is written, signals
-# wait until it is whole (`held`); once the last one is written, they cannot cut the closing short.
+# Ctrl-C (SIGINT), SIGTERM and SIGHUP reach one handler, `Signals.handle`, which decides by the
+# phase of the run. While the workers start, before training begins, a signal aborts at once:
+# nothing is trained yet. During training the first asks for a stop at the next safe point, between
+# two steps of the envs (the unfinished rollout is dropped) or after an update: the checkpoint is
+# written, the resume line printed, and the exit status is 128 plus the signal's number. A second
+# one aborts at once, with no new checkpoint, naming the last one there is. While a checkpoint is
+# written, signals wait until it is whole (`held`); once the last one is written, they cannot cut
+# the closing short.
 #
 # SIGHUP is what a run gets when its terminal goes (the window closed, the ssh connection dropped):
 # it stops the run as SIGTERM does. A run started to outlive its terminal, under `nohup`, which
