@@ -1919,7 +1919,7 @@ class Terminal:
     def flush(self) -> None:
         self.guarded(self.stream.flush)
 
-    def guarded(self, call: Callable, *args):
+    def guarded(self, call: typing.Callable, *args):
         try:
             return call(*args)
         except OSError:  # what is still in the stream's buffer goes to /dev/null too

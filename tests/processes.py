@@ -132,3 +132,13 @@ def read_until(window: int, text: str, seconds: float = 120) -> str:
             raise TimeoutError(f"{text!r} not shown after {seconds} s: {seen.decode(errors='replace')[-2000:]}")
         seen += os.read(window, 65536)
     return seen.decode(errors="replace")
+
+
+def hang_up(process: subprocess.Popen, window: int, once_shown: str = "step ", seconds: float = 120) -> int:
+    """Close the terminal of `on_a_terminal` once it shows `once_shown`; the program's exit status."""
+    try:
+        read_until(window, once_shown)
+        os.close(window)
+        return process.wait(timeout=seconds)
+    finally:
+        process.kill()

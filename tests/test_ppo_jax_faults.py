@@ -4,7 +4,6 @@ never a traceback, and every checkpoint a message names exists."""
 
 import dataclasses
 import os
-import pty
 import signal
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import ppo_jax
 from conftest import ROOT
 from ppo_jax_runs import SCRIPT, Watched, environment, patched, read_checkpoint, run  # noqa: F401 (fixtures)
 from ppo_jax_runs import note_dispatches
-from processes import on_a_terminal, read_until
+from processes import hang_up, on_a_terminal
 
 
 def ppo_jax_run(environment, command, *args, timeout=300):
@@ -484,12 +483,7 @@ def test_a_terminal_that_hangs_up_stops_the_run_with_a_checkpoint(environment, t
     # which used to kill the run with all it had trained since its last checkpoint.
     process, window = on_a_terminal([sys.executable, SCRIPT, *map(str, LONG), "--run-dir", str(tmp_path)], cwd=ROOT,
                                     env=environment)
-    try:
-        read_until(window, "step ")  # the progress line: a chunk is done
-        os.close(window)
-        assert process.wait(timeout=60) == 128 + signal.SIGHUP
-    finally:
-        process.kill()
+    assert hang_up(process, window) == 128 + signal.SIGHUP  # once a chunk is done: its progress line shows
     assert read_checkpoint(tmp_path / "checkpoint.msgpack")["update"] >= 1
     assert not list(tmp_path.glob("*.tmp"))
 
@@ -499,25 +493,8 @@ def test_a_run_that_outlives_its_terminal_trains_on(environment, tmp_path):
     # stderr are still the terminal: its next line there failed ("input/output error"), and the run ended with it.
     process, window = on_a_terminal([sys.executable, SCRIPT, *map(str, SMALL), "--run-dir", str(tmp_path)],
                                     hangup=signal.SIG_IGN, cwd=ROOT, env=environment)
-    try:
-        read_until(window, "step ")
-        os.close(window)
-        assert process.wait(timeout=120) == 0
-    finally:
-        process.kill()
+    assert hang_up(process, window) == 0
     assert read_checkpoint(tmp_path / "checkpoint.msgpack")["global_step"] == 512
-
-
-def test_a_terminal_that_is_gone_becomes_dev_null():
-    window, terminal = pty.openpty()
-    stream = ppo_jax.Terminal(os.fdopen(terminal, "w"))
-    try:
-        os.close(window)  # the terminal hangs up: writing there fails
-        print("a line for nobody", file=stream, flush=True)
-        assert os.readlink(f"/proc/self/fd/{terminal}") == os.devnull
-        print("and another", file=stream, flush=True)
-    finally:
-        stream.close()
 
 
 @pytest.mark.parametrize("moment", ["saving", "closing"])

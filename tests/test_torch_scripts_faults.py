@@ -9,7 +9,6 @@ import dataclasses
 import errno
 import math
 import os
-import pty
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import typing
 import pytest
 import torch
 
-from processes import alive, on_a_terminal, process_tree, read_until
+from processes import alive, hang_up, on_a_terminal, process_tree, read_until
 from torch_scripts import IDS, ROOT, SCRIPTS, Script
 
 
@@ -230,25 +229,8 @@ def test_a_run_that_outlives_its_terminal_trains_on(script, tmp_path):
     process, window = on_a_terminal([sys.executable, script.path, *map(str, [*script.tiny, "--total-timesteps", 128 * 20,
                                                                              "--run-dir", tmp_path])],
                                     hangup=signal.SIG_IGN, cwd=ROOT)
-    try:
-        read_until(window, "step ")
-        os.close(window)
-        assert process.wait(timeout=120) == 0
-    finally:
-        process.kill()
+    assert hang_up(process, window) == 0
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["global_step"] == 128 * 20
-
-
-def test_a_terminal_that_is_gone_becomes_dev_null(script):
-    window, terminal = pty.openpty()
-    stream = script.module.Terminal(os.fdopen(terminal, "w"))
-    try:
-        os.close(window)  # the terminal hangs up: writing there fails
-        print("a line for nobody", file=stream, flush=True)
-        assert os.readlink(f"/proc/self/fd/{terminal}") == os.devnull
-        print("and another", file=stream, flush=True)
-    finally:
-        stream.close()
 
 
 # ## A diverging update

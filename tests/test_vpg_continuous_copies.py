@@ -8,6 +8,7 @@ import ast
 import dataclasses
 import inspect
 import os
+import pty
 import signal
 import sys
 import time
@@ -85,6 +86,23 @@ def class_source(script: str, name: str) -> str:
 
 
 SCRIPTS = pytest.mark.parametrize("module", [ppo_atari, vpg], ids=["ppo_atari", "vpg_continuous"])
+
+
+@SCRIPTS
+def test_a_terminal_that_is_gone_becomes_dev_null(module):
+    window, terminal = pty.openpty()
+    stream = module.Terminal(os.fdopen(terminal, "w"))
+    try:
+        os.close(window)  # the terminal hangs up: writing there fails ("input/output error")
+        print("a line for nobody", file=stream, flush=True)
+        assert os.readlink(f"/proc/self/fd/{terminal}") == os.devnull
+        print("and another", file=stream, flush=True)
+    finally:
+        stream.close()
+
+
+def test_ppo_jax_has_the_same_terminal():
+    assert class_source("ppo_jax.py", "Terminal") == class_source("ppo_atari.py", "Terminal")
 
 
 @SCRIPTS
