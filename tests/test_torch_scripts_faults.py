@@ -202,7 +202,6 @@ def test_ctrl_c_while_the_workers_start(script, tmp_path, presses):
     assert not [pid for pid in workers if alive(pid)]
 
 
-
 def test_a_terminal_that_hangs_up_stops_the_run_with_a_checkpoint(script, tmp_path):
     # The terminal's window closed, its ssh connection dropped: the kernel sends the session SIGHUP,
     # which used to kill the run with all it had trained since its last checkpoint (none here).
