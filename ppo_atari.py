@@ -1898,6 +1898,19 @@ def game_options(config: Config) -> dict:
                 frame_skip=config.frame_skip, max_episode_frames=config.max_episode_frames)
 
 
+def check_rollout_fits(config: Config, observation_bytes: int, ranks: Ranks) -> None:
+    """Refuse a rollout whose observations alone (`observation_bytes` a step of one env) outgrow this
+    machine's memory, with every rank on it holding one. Allocated, such a rollout would end the run
+    in a traceback, or, as Linux lends more memory than it has, get the run killed as it fills."""
+    needed = config.batch_size * observation_bytes * ranks.local_size
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > memory:
+        ranks_here = f" (x {ranks.local_size} ranks on this machine)" if ranks.local_size > 1 else ""
+        raise ConfigError(f"the observations of a rollout of {config.num_envs:,} envs x {config.num_steps:,} steps"
+                          f"{ranks_here} need {needed / 2**30:,.1f} GiB of memory, more than this machine's "
+                          f"{memory / 2**30:,.1f} GiB; use fewer --num-envs or --num-steps")
+
+
 def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int:
     """Train, log and checkpoint; the exit status of the run."""
     from torch.utils.tensorboard import SummaryWriter
@@ -1909,6 +1922,7 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
     if checkpoint is not None and checkpoint["update"] >= config.total_timesteps // (config.batch_size * ranks.size):
         raise ConfigError(f"checkpoint {config.resume} has trained {checkpoint['global_step']:,} steps, all that "
                           f"--total-timesteps {config.total_timesteps:,} allows; to train on, resume with a larger one")
+    check_rollout_fits(config, math.prod(Game.observation_shape), ranks)
     run_dir = Path(config.run_dir or (Path(config.resume).parent if checkpoint else default_run_dir(config, env_id)))
     checkpoint_path = run_dir / "checkpoint.pt"
     signals = Signals(announce=ranks.is_main, same_within=1.0 if ranks.size > 1 else 0.0)

@@ -35,6 +35,23 @@ def test_cuda_without_cuda_exits_2(script, tmp_path, capsys):
                                            "--run-dir", tmp_path)[::2], "no CUDA device")
 
 
+def test_a_rollout_larger_than_the_memory_exits_2_before_any_process_starts(script, tmp_path, capsys):
+    # A trillion steps a rollout, petabytes of observations: numpy refused them in a traceback.
+    status, _, stderr = script.run_main(capsys, *script.tiny, "--num-envs", 8, "--num-steps", "1e12",
+                                        "--total-timesteps", "1e13", "--run-dir", tmp_path / "run")
+    script.one_line_error(status, stderr, "the observations of a rollout of 8 envs x 1,000,000,000,000 steps need ")
+    assert "GiB of memory, more than this machine's" in stderr and not (tmp_path / "run").exists()
+
+
+def test_the_rollouts_of_every_rank_on_the_machine_count_against_its_memory(script, monkeypatch):
+    module, config = script.module, script.module.Config(num_envs=8, num_steps=128)
+    monkeypatch.setattr(module.os, "sysconf", {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 2**18}.get)  # 1 GiB
+    module.check_rollout_fits(config, 600_000, module.Ranks(size=2, local_size=1))  # 0.57 GiB for 1 rank here
+    with pytest.raises(module.ConfigError, match=r"of 8 envs x 128 steps \(x 2 ranks on this machine\) need 1.1 GiB "
+                                                 r"of memory, more than this machine's 1.0 GiB"):
+        module.check_rollout_fits(config, 600_000, module.Ranks(size=2, local_size=2))
+
+
 def test_ctrl_c_saves_a_checkpoint_and_leaves_no_process(script, tmp_path):
     script.ctrl_c_saves_a_checkpoint_and_leaves_no_process(tmp_path, "cpu")
 

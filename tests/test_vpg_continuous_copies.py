@@ -204,6 +204,7 @@ SAME_TEXT = [
     # Part 3: the command line, checkpoints and faults, logging, signals, the run, tracking, video
     "ConfigError", "field_docs", "integer", "OneLineParser", "flag", "parse_config", "WriteFailed", "written", "save_checkpoint",
     "last_checkpoint", "writable_dir", "run_dir_lock", "format_duration", "how_many", "default_run_dir", "timer", "Aborted", "Stopped", "Signals", "Terminal",
+    "check_rollout_fits",
     "import_wandb", "start_tracking", "send_new_videos", "Video",
     # Part 4
     "RankFailure", "exit_process",
