@@ -1439,6 +1439,9 @@ def check_config(config: RunConfig, family: str) -> None:
     if config.num_updates > LARGEST_COUNT:
         raise ConfigError(f"--total-timesteps {config.total_timesteps:,} makes {config.num_updates:,} updates, more "
                           f"than the {LARGEST_COUNT:,} that the run can count")
+    if config.batch_size > LARGEST_COUNT:  # its steps are counted too, as the minibatches are drawn
+        raise ConfigError(f"the batch of {config.num_envs:,} envs x {config.num_steps:,} steps = {config.batch_size:,} "
+                          f"is more than the {LARGEST_COUNT:,} steps that the run can count")
     if config.run_dir is not None and Path(config.run_dir).exists() and not Path(config.run_dir).is_dir():
         raise ConfigError(f"--run-dir {config.run_dir} is a file, not a directory")
     if config.batch_size % config.num_minibatches:
@@ -1568,6 +1571,19 @@ def choose_device(requested: str) -> None:
             jax.config.update("jax_default_device", jax.devices("cuda")[0])
         except RuntimeError:
             raise ConfigError("--device cuda was asked for, but JAX finds no CUDA device") from None
+
+
+def check_memory(what: str, per_device: int, mesh: Mesh) -> None:
+    """Refuse a run whose arrays outgrow a device, `per_device` bytes of them on each, in one line:
+    XLA would fail to allocate them with a traceback."""
+    device = mesh.devices.flat[0]
+    if device.platform == "cpu":  # the CPU's devices share the machine's memory
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // mesh.size
+    else:  # an accelerator's own, as XLA's allocator has it (unknown under another allocator)
+        limit = (device.memory_stats() or {}).get("bytes_limit", math.inf)
+    if per_device > limit:
+        raise ConfigError(f"{what} need {per_device / 2**30:,.1f} GiB of memory on each {device.platform} device, "
+                          f"more than its {limit / 2**30:,.1f} GiB; use fewer --num-seeds, --num-envs or --num-steps")
 
 
 # ### Checkpoints
@@ -2098,6 +2114,8 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
             # the agents (XLA lets go of Python's lock as it compiles), seconds each for thousands of agents.
             init, mesh = jax.jit(jax.vmap(training.init)), seed_mesh(config.num_seeds)
             shapes = init.eval_shape(keys)
+            check_memory(f"the weights and environments of {how_many(config.num_seeds, 'agent')}",
+                         sum(shape.size * shape.dtype.itemsize for shape in jax.tree.leaves(shapes)) // mesh.size, mesh)
             if checkpoint is not None:  # first, so that a checkpoint of another network is refused at once
                 restored = restore_tree(jax.eval_shape(storable, shapes), checkpoint["runners"], config.resume)
             started, length = time.perf_counter(), min(config.checkpoint_every, config.num_updates, LONGEST_CHUNK)
@@ -2116,6 +2134,11 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
             runners, update = jax.device_put(runners, split_over_seeds(mesh)), checkpoint["update"] if checkpoint else 0
             print(describe_devices(mesh, config.num_seeds), file=sys.stderr)
             train_chunk = compiling.result()
+            memory = train_chunk.memory_analysis()  # what the program holds at once on each device, if XLA says
+            if memory is not None:
+                check_memory(f"the updates of {how_many(config.num_seeds, 'agent')} ({config.num_envs} envs x "
+                             f"{config.num_steps:,} steps each)", memory.argument_size_in_bytes + memory.output_size_in_bytes
+                             + memory.temp_size_in_bytes - memory.alias_size_in_bytes, mesh)
             print(f"{env_id}: {how_many(config.num_seeds, 'agent')}, compiled in {time.perf_counter() - started:.1f} s; "
                   f"logs and checkpoints in {run.dir}", file=sys.stderr)
             run.open_writers(Progress(config.num_updates * config.batch_size, update * config.batch_size,

@@ -103,6 +103,31 @@ def test_a_run_dir_that_cannot_be_written_in_exits_2(capsys, tmp_path):
         capsys, "--total-timesteps", 512, "--run-dir", tmp_path / "file" / "run")
 
 
+def test_a_batch_larger_than_jax_counts_exits_2(capsys, tmp_path):
+    line = main_error(capsys, "--env", "CartPole-v1", "--num-envs", 4, "--num-steps", "1e9", "--total-timesteps", "4e9",
+                      "--run-dir", tmp_path / "run")
+    assert "the batch of 4 envs x 1,000,000,000 steps = 4,000,000,000 is more than the 2,147,483,647" in line, line
+
+
+def test_agents_that_outgrow_the_memory_exit_2_before_any_work(capsys, tmp_path):
+    # 30 million CartPole agents hold terabytes: refused from their shapes, before one is made.
+    line = main_error(capsys, "--env", "CartPole-v1", "--num-seeds", "3e7", "--total-timesteps", "1e10",
+                      "--run-dir", tmp_path / "run")
+    assert "the weights and environments of 30,000,000 agents need" in line and "GiB of memory on each cpu device, " \
+        "more than its" in line and line.endswith("use fewer --num-seeds, --num-envs or --num-steps"), line
+
+
+def test_updates_that_outgrow_the_memory_exit_2_before_they_run(capsys, tmp_path):
+    # 4 agents, but each update's rollout and minibatches take terabytes: XLA says so once the program is
+    # compiled; without the check the first chunk failed with a traceback.
+    status = ppo_jax.main(["--env", "CartPole-v1", "--num-seeds", "4", "--num-steps", "5e8", "--total-timesteps", "4e9",
+                           "--run-dir", str(tmp_path / "run")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and lines[0].startswith("devices: ") and len(lines) == 2, lines
+    assert lines[1].startswith("ppo_jax.py: error: the updates of 4 agents (4 envs x 500,000,000 steps each) need "), lines
+    assert "more than its" in lines[1] and not (tmp_path / "run" / "checkpoint.msgpack").exists()
+
+
 # ## A small run: 4 updates of 4 CartPole envs x 32 steps; 600 steps asked for are 4 whole batches and a part
 
 SMALL = ["--num-steps", 32, "--total-timesteps", 600, "--checkpoint-every", 2]
