@@ -1890,6 +1890,7 @@ class RunWorkers(Workers):
 # with a `DataParallelRunTrainer`, and rank 0 alone writes (and locks the directory). A worker that
 # fails while the games are stepped leaves the weights whole, so one process saves them before it
 # reports; an update that diverged (`NonFiniteError`) writes nothing, and the last good checkpoint stays.
+# So does a step that ran out of GPU memory, reported in one line of torch's words, which give the sizes.
 
 
 def game_options(config: Config) -> dict:
@@ -1899,9 +1900,9 @@ def game_options(config: Config) -> dict:
 
 
 def check_rollout_fits(config: Config, observation_bytes: int, ranks: Ranks) -> None:
-    """Refuse a rollout whose observations alone (`observation_bytes` a step of one env) outgrow this
-    machine's memory, with every rank on it holding one. Allocated, such a rollout would end the run
-    in a traceback, or, as Linux lends more memory than it has, get the run killed as it fills."""
+    """Refuse a rollout whose observations alone, `observation_bytes` for each step of each env,
+    outgrow this machine's memory, every rank on it holding one. Allocated, such a rollout would end
+    the run in a traceback or, as Linux lends more memory than it has, get it killed as it fills."""
     needed = config.batch_size * observation_bytes * ranks.local_size
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if needed > memory:
@@ -2021,7 +2022,7 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
             else:  # the other ranks cannot join in writing it: torchrun stops them, and the last checkpoint stays
                 print(f"\nrank {ranks.rank}: {error}", file=sys.stderr)
             return 1
-        except (Aborted, NonFiniteError, RankFailure) as error:
+        except (Aborted, NonFiniteError, RankFailure, torch.OutOfMemoryError) as error:
             signals.closing = True
             last = last_checkpoint(checkpoint_path, config.resume)
             if isinstance(error, Aborted):
@@ -2029,8 +2030,8 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
                                                                        "none was written"), file=sys.stderr)
                 return error.status
             good = "good " if isinstance(error, NonFiniteError) else ""
-            print(f"\n{error}; " + (f"the last {good}checkpoint is {last}" if last else "no checkpoint was written"),
-                  file=sys.stderr)
+            print(f"\n{' '.join(str(error).split())}; " + (f"the last {good}checkpoint is {last}" if last else
+                                                          "no checkpoint was written"), file=sys.stderr)
             return 1
 
 

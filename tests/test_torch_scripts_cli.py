@@ -86,6 +86,26 @@ def test_a_run_trains_with_run_trainer_and_a_nan_keeps_the_last_good_checkpoint(
     assert trainer.seconds["update"] > 0
 
 
+def test_a_step_out_of_gpu_memory_is_one_line_and_keeps_the_last_checkpoint(script, tmp_path, monkeypatch, capsys):
+    # torch's own words for it, as a GPU gives them (two sentences, a URL), raised in the third update.
+    module, real_update = script.module, script.module.Trainer.update_policy
+
+    def update_out_of_memory(self, rollout):
+        if self.update == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity "
+                                         "of 7.79 GiB.  See documentation for Memory Management\n(https://...)")
+        return real_update(self, rollout)
+
+    monkeypatch.setattr(module.Trainer, "update_policy", update_out_of_memory)
+    status, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 1024, "--checkpoint-every", 2,
+                                        "--run-dir", tmp_path)
+    assert status == 1 and "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == ("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
+                                               "capacity of 7.79 GiB. See documentation for Memory Management "
+                                               f"(https://...); the last checkpoint is {tmp_path / 'checkpoint.pt'}")
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] == 2
+
+
 def test_in_a_log_the_progress_line_of_a_step_is_written_once(script, capsys):
     # Into a file, a line every 10 seconds and the final one: a run whose last update's line was
     # just written does not write it again as the final one.
