@@ -2134,11 +2134,6 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
             runners, update = jax.device_put(runners, split_over_seeds(mesh)), checkpoint["update"] if checkpoint else 0
             print(describe_devices(mesh, config.num_seeds), file=sys.stderr)
             train_chunk = compiling.result()
-            memory = train_chunk.memory_analysis()  # what the program holds at once on each device, if XLA says
-            if memory is not None:
-                check_memory(f"the updates of {how_many(config.num_seeds, 'agent')} ({config.num_envs} envs x "
-                             f"{config.num_steps:,} steps each)", memory.argument_size_in_bytes + memory.output_size_in_bytes
-                             + memory.temp_size_in_bytes - memory.alias_size_in_bytes, mesh)
             print(f"{env_id}: {how_many(config.num_seeds, 'agent')}, compiled in {time.perf_counter() - started:.1f} s; "
                   f"logs and checkpoints in {run.dir}", file=sys.stderr)
             run.open_writers(Progress(config.num_updates * config.batch_size, update * config.batch_size,
@@ -2512,12 +2507,18 @@ def compile_train_chunk(training: Training, length: int, runners: Runner, mesh: 
     """`train_chunk(runners, count)`: `count <= length` more updates of every agent, compiled for `runners` on `mesh`.
 
     It is Part 1's `train_chunk` under `vmap`, with the same `count` for every agent; it returns the
-    runners and the metrics, `[length, agents]`, both split over the devices as the runners are.
+    runners and the metrics, `[length, agents]`, both split over the devices as the runners are. A
+    program that needs more memory than a device has is refused (`check_memory`), as XLA sizes it.
     """
     every_agent = jax.vmap(functools.partial(training.train_chunk, length=length), in_axes=(0, None),
                            out_axes=(0, 1))
     train_chunk = jax.jit(every_agent, out_shardings=(split_over_seeds(mesh), split_over_seeds(mesh, axis=1)))
-    return train_chunk.lower(runners, jnp.int32(0)).compile()
+    compiled = train_chunk.lower(runners, jnp.int32(0)).compile()
+    if (memory := compiled.memory_analysis()) is not None:  # what it holds at once on each device, if XLA says
+        agents = how_many(jax.tree.leaves(runners)[0].shape[0], "agent")
+        check_memory(f"the updates of {agents}", memory.argument_size_in_bytes + memory.output_size_in_bytes
+                     + memory.temp_size_in_bytes - memory.alias_size_in_bytes, mesh)
+    return compiled
 
 
 def describe_devices(mesh: Mesh, num_seeds: int) -> str:
