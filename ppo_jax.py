@@ -1573,9 +1573,9 @@ def choose_device(requested: str) -> None:
             raise ConfigError("--device cuda was asked for, but JAX finds no CUDA device") from None
 
 
-def check_memory(what: str, per_device: int, mesh: Mesh) -> None:
-    """Refuse a run whose arrays outgrow a device, `per_device` bytes of them on each, in one line:
-    XLA would fail to allocate them with a traceback."""
+def check_memory(what: str, per_device: int, mesh: Mesh, fewer: str = "--num-seeds, --num-envs or --num-steps") -> None:
+    """Refuse a run whose arrays outgrow a device, `per_device` bytes of them on each, in one line
+    that says what to ask `fewer` of: XLA would fail to allocate them with a traceback."""
     device = mesh.devices.flat[0]
     if device.platform == "cpu":  # the CPU's devices share the machine's memory
         limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // mesh.size
@@ -1583,7 +1583,14 @@ def check_memory(what: str, per_device: int, mesh: Mesh) -> None:
         limit = (device.memory_stats() or {}).get("bytes_limit", math.inf)
     if per_device > limit:
         raise ConfigError(f"{what} need {per_device / 2**30:,.1f} GiB of memory on each {device.platform} device, "
-                          f"more than its {limit / 2**30:,.1f} GiB; use fewer --num-seeds, --num-envs or --num-steps")
+                          f"more than its {limit / 2**30:,.1f} GiB; use fewer {fewer}")
+
+
+def compiled_memory(program: jax.stages.Compiled) -> int:
+    """The bytes a compiled program holds at once on each device, as XLA sizes it (0 where XLA does not say)."""
+    memory = program.memory_analysis()
+    return 0 if memory is None else (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                                     + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
 
 
 # ### Checkpoints
@@ -2292,13 +2299,16 @@ def evaluate_compiled(config: RunConfig, env_id: str, checkpoint: dict) -> np.nd
     env = make_env(env_id, config.eval_episodes, config)
     # Episodes unlike the training ones: keys from another branch of the seed's key.
     keys = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), 1), config.num_seeds)
+    placed = jax.device_put((*agents, keys), split_over_seeds(mesh := seed_mesh(config.num_seeds)))
+    evaluate = jax.jit(jax.vmap(make_evaluate(training.network, env))).lower(*placed).compile()
+    check_memory(f"the episodes of {how_many(config.num_seeds, 'agent')} ({config.eval_episodes:,} each)",
+                 compiled_memory(evaluate), mesh, fewer="--eval-episodes")
     videos = []
     if config.capture_video:
         videos = record_videos(config, env_id, env, training.network, jax.tree.map(lambda value: value[0], agents),
                                keys[0], writable_dir(Path(config.run_dir or Path(config.eval).parent) / "videos"), "eval")
         print(f"videos in {videos[0].parent}", file=sys.stderr)
-    placed = jax.device_put((*agents, keys), split_over_seeds(seed_mesh(config.num_seeds)))
-    returns = np.asarray(jax.jit(jax.vmap(make_evaluate(training.network, env)))(*placed))
+    returns = np.asarray(evaluate(*placed))
     if config.track:
         track_evaluation(config, returns.ravel().tolist(), videos)
     return returns
@@ -2514,10 +2524,8 @@ def compile_train_chunk(training: Training, length: int, runners: Runner, mesh: 
                            out_axes=(0, 1))
     train_chunk = jax.jit(every_agent, out_shardings=(split_over_seeds(mesh), split_over_seeds(mesh, axis=1)))
     compiled = train_chunk.lower(runners, jnp.int32(0)).compile()
-    if (memory := compiled.memory_analysis()) is not None:  # what it holds at once on each device, if XLA says
-        agents = how_many(jax.tree.leaves(runners)[0].shape[0], "agent")
-        check_memory(f"the updates of {agents}", memory.argument_size_in_bytes + memory.output_size_in_bytes
-                     + memory.temp_size_in_bytes - memory.alias_size_in_bytes, mesh)
+    check_memory(f"the updates of {how_many(jax.tree.leaves(runners)[0].shape[0], 'agent')}", compiled_memory(compiled),
+                 mesh)
     return compiled
 
 

@@ -161,6 +161,13 @@ def test_eval_with_another_number_of_agents_exits_2(small, capsys):
                          "or give 1"), line
 
 
+def test_an_evaluation_larger_than_the_memory_exits_2(small, capsys):
+    # A billion CartPole episodes at once: XLA's out-of-memory traceback before, one line now.
+    line = main_error(capsys, "--eval", small[0], "--eval-episodes", "1e9")
+    assert "error: the episodes of 1 agent (1,000,000,000 each) need " in line, line
+    assert "GiB of memory on each cpu device, more than its" in line and line.endswith("; use fewer --eval-episodes")
+
+
 def test_resuming_a_run_that_has_trained_all_its_steps_exits_2(small, capsys, tmp_path):
     line = main_error(capsys, "--resume", small[0], "--run-dir", tmp_path / "run")
     assert line.endswith(f"checkpoint {small[0]} has trained 512 steps, all that --total-timesteps 600 allows; "
