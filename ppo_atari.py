@@ -85,6 +85,7 @@ import threading
 import time
 import traceback
 import typing
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
@@ -921,6 +922,11 @@ def numpy_views(blocks: dict[str, tuple]) -> dict[str, np.ndarray]:
             for name, (block, shape, dtype) in blocks.items()}
 
 
+# The signals that stop a run: Ctrl-C, `kill` (and SLURM's `scancel`), a terminal that hangs up. Sent to the
+# whole process group, as a terminal and `kill -- -PGID` send them, they reach the workers too, which ignore them.
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
 def run_worker(connection: Connection, make_env, env_id: str, seeds: np.ndarray, first_env: int,
                blocks: dict[str, tuple], game_options: dict) -> None:
     """The loop of one worker process: it plays games `first_env, first_env + 1, ...`, made by `make_env`.
@@ -928,7 +934,9 @@ def run_worker(connection: Connection, make_env, env_id: str, seeds: np.ndarray,
     It answers each command from the main process (`reset`, `step`, `close`) with `ok` once the
     arrays of its games are written, or with `error` and its traceback.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in STOP_SIGNALS:  # the main process's to answer, even when sent to the whole process group
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # `Workers` starts it with them blocked
     cv2.setNumThreads(1)
     parent = mp.parent_process()
     try:
@@ -998,10 +1006,9 @@ class Workers:
         self.arrays = numpy_views(blocks)
         self.processes: list[mp.process.BaseProcess] = []
         self.connections: list[Connection] = []
-        # Started with Ctrl-C ignored, so a Ctrl-C while they start (before they can ignore it
-        # themselves) cannot reach them; the setting survives both fork and exec.
-        in_main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+        # Started with the stop signals blocked, so that one sent while they start (before they can ignore it)
+        # neither reaches them nor is lost: it waits, and this process hears it once they have started.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             for index, envs in enumerate(np.array_split(np.arange(num_envs), num_workers)):
                 ours, theirs = context.Pipe()
@@ -1012,14 +1019,13 @@ class Workers:
                 theirs.close()
                 self.processes.append(process)
                 self.connections.append(ours)
-        finally:
-            if in_main_thread:
-                signal.signal(signal.SIGINT, previous)
-        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             self._receive()
         except BaseException:
             self.close()
             raise
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def reset(self) -> np.ndarray:
         self._send(b"reset")
@@ -1062,7 +1068,7 @@ class Workers:
         return WorkerError(f"worker {index} (pid {process.pid}) died unexpectedly ({how})")
 
     def close(self) -> None:
-        """Stop every worker; those that do not stop in time are terminated, then killed."""
+        """Stop every worker; those that do not stop in time are killed (they ignore SIGTERM)."""
         for connection in self.connections:
             try:
                 connection.send_bytes(b"close")
@@ -1070,9 +1076,6 @@ class Workers:
                 pass
         for process in self.processes:
             process.join(timeout=3)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=3)
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -1477,8 +1480,8 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None]:
     command line override them (to extend `--total-timesteps`, say).
     """
     given = vars(build_parser().parse_args(argv))
-    path = given.get("resume") or given.get("eval")
-    checkpoint = load_checkpoint(path) if path is not None and not (given.get("resume") and given.get("eval")) else None
+    resume, evaluated = given.get("resume"), given.get("eval")  # either may be "", a path that is no file
+    checkpoint = load_checkpoint(resume if evaluated is None else evaluated) if (resume is None) != (evaluated is None) else None
     fields = {field.name for field in dataclasses.fields(Config)}
     base = {name: value for name, value in checkpoint["config"].items() if name in fields} if checkpoint else {}
     config = RunConfig(**{**base, **given})
@@ -1648,7 +1651,8 @@ def load_checkpoint(path: str) -> dict:
     if not Path(path).is_file():
         raise ConfigError(f"checkpoint {path} {'is not a file' if Path(path).exists() else 'does not exist'}")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings(action="ignore"):  # torch warns of a pickle of another protocol, then refuses it
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many kinds for a damaged file
         raise ConfigError(f"cannot read checkpoint {path}: the file is damaged or not a checkpoint of "
                           f"ppo_atari.py ({type(error).__name__})") from None

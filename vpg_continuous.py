@@ -101,6 +101,7 @@ import threading
 import time
 import traceback
 import typing
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
@@ -1070,6 +1071,11 @@ def numpy_views(blocks: dict[str, tuple]) -> dict[str, np.ndarray]:
             for name, (block, shape, dtype) in blocks.items()}
 
 
+# The signals that stop a run: Ctrl-C, `kill` (and SLURM's `scancel`), a terminal that hangs up. Sent to the
+# whole process group, as a terminal and `kill -- -PGID` send them, they reach the workers too, which ignore them.
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
 def run_worker(connection: Connection, env_id: str, seeds: np.ndarray, first_env: int,
                blocks: dict[str, tuple], max_episode_steps: int | None, make_task=Task) -> None:
     """The loop of one worker process: it steps envs `first_env, first_env + 1, ...`.
@@ -1077,7 +1083,9 @@ def run_worker(connection: Connection, env_id: str, seeds: np.ndarray, first_env
     It answers each command from the main process (`reset`, `step`, `close`) with `ok` once the
     arrays of its envs are written, or with `error` and its traceback.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in STOP_SIGNALS:  # the main process's to answer, even when sent to the whole process group
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # `Workers` starts it with them blocked
     parent = mp.parent_process()
     tasks: list[Task] = []
     try:
@@ -1148,10 +1156,9 @@ class Workers:
         self.connections: list[Connection] = []
         # Envs `first_env, first_env + 1, ...` of the run: each rank of a distributed run steps its own.
         seeds = env_seeds(seed, first_env + num_envs, first_update)[first_env:]
-        # Started with Ctrl-C ignored, so a Ctrl-C while they start (before they can ignore it
-        # themselves) cannot reach them; the setting survives both fork and exec.
-        in_main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+        # Started with the stop signals blocked, so that one sent while they start (before they can ignore it)
+        # neither reaches them nor is lost: it waits, and this process hears it once they have started.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             for index, envs in enumerate(np.array_split(np.arange(num_envs), num_workers)):
                 ours, theirs = context.Pipe()
@@ -1162,14 +1169,13 @@ class Workers:
                 theirs.close()
                 self.processes.append(process)
                 self.connections.append(ours)
-        finally:
-            if in_main_thread:
-                signal.signal(signal.SIGINT, previous)
-        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             self._receive()
         except BaseException:
             self.close()
             raise
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def reset(self) -> np.ndarray:
         self._send(b"reset")
@@ -1213,7 +1219,7 @@ class Workers:
         return WorkerError(f"worker {index} (pid {process.pid}) died unexpectedly ({how})")
 
     def close(self) -> None:
-        """Stop every worker; those that do not stop in time are terminated, then killed."""
+        """Stop every worker; those that do not stop in time are killed (they ignore SIGTERM)."""
         for connection in self.connections:
             try:
                 connection.send_bytes(b"close")
@@ -1221,9 +1227,6 @@ class Workers:
                 pass
         for process in self.processes:
             process.join(timeout=3)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=3)
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -1407,8 +1410,8 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None]:
     command line override them (to extend `--total-timesteps`, say).
     """
     given = vars(build_parser().parse_args(argv))
-    path = given.get("resume") or given.get("eval")
-    checkpoint = load_checkpoint(path) if path is not None and not (given.get("resume") and given.get("eval")) else None
+    resume, evaluated = given.get("resume"), given.get("eval")  # either may be "", a path that is no file
+    checkpoint = load_checkpoint(resume if evaluated is None else evaluated) if (resume is None) != (evaluated is None) else None
     fields = {field.name for field in dataclasses.fields(Config)}
     base = {name: value for name, value in checkpoint["config"].items() if name in fields} if checkpoint else {}
     config = RunConfig(**{**base, **given})
@@ -1598,7 +1601,8 @@ def load_checkpoint(path: str) -> dict:
     if not Path(path).is_file():
         raise ConfigError(f"checkpoint {path} {'is not a file' if Path(path).exists() else 'does not exist'}")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings(action="ignore"):  # torch warns of a pickle of another protocol, then refuses it
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many kinds for a damaged file
         raise ConfigError(f"cannot read checkpoint {path}: the file is damaged or not a checkpoint of "
                           f"vpg_continuous.py ({type(error).__name__})") from None
@@ -1896,10 +1900,12 @@ def train(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict | 
         trainer = writer = tracking = None
         try:
             # The workers start before anything touches CUDA or starts a thread (TensorBoard's
-            # writer does), so that forking them is safe.
+            # writer does), so that forking them is safe. A JAX env (gymnasium's `phys2d/Pendulum-v0`)
+            # started JAX's threads as `describe_env` made it: its workers are spawned instead.
+            jax_env = "jax" in str(gym.spec(env_id).entry_point).lower()
             envs = opened.enter_context(RunWorkers(
                 env_id, config.num_envs, num_workers, config.seed, spaces, config.max_episode_steps,
-                None if config.start_method == "default" else config.start_method, first_update,
+                {"default": "spawn" if jax_env else None}.get(config.start_method, config.start_method), first_update,
                 first_env=ranks.rank * config.num_envs, signals=signals if ranks.size == 1 else None,
                 make_task=task_maker(config, env_id, run_dir, first_update)))
             device = choose_device(config.device, ranks.local_rank)
@@ -2293,8 +2299,13 @@ def main(argv: list[str] | None = None) -> int:
         if checkpoint is not None and checkpoint["env_id"] != env_id:
             raise ConfigError(f"checkpoint {config.resume or config.eval} was trained on {checkpoint['env_id']}, "
                               f"not {env_id}")
+        for name in ("state_dependent_std", "normalize_observations"):  # what the network is, and what it sees
+            if config.resume is not None and getattr(config, name) != checkpoint["config"][name]:
+                raise ConfigError(f"a resumed run keeps {flag(name)} as it was trained ("
+                                  f"{'on' if checkpoint['config'][name] else 'off'})")
         if config.capture_video and uses_mujoco(env_id):
             choose_mujoco_gl(env_id)  # before `describe_env` imports MuJoCo
+        os.environ.setdefault("SDL_NO_SIGNAL_HANDLERS", "1")  # or pygame's SDL takes SIGTERM as it first renders
         spaces = describe_env(env_id)
         if config.eval is None:
             return train(config, env_id, spaces, checkpoint)

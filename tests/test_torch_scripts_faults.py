@@ -221,6 +221,25 @@ def test_a_terminal_that_hangs_up_stops_the_run_with_a_checkpoint(script, tmp_pa
     assert not [pid for pid in workers if alive(pid)]
 
 
+def test_a_sigterm_to_the_whole_process_group_stops_the_run_with_a_checkpoint(script, tmp_path):
+    # As `kill -- -PGID` and SLURM's `scancel` send it: the workers hear it too, and leave it to the run.
+    process = subprocess.Popen([sys.executable, script.path, *map(str, [*script.tiny, "--total-timesteps", 10**7,
+                                                                        "--run-dir", tmp_path])],
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    try:
+        wait_for(process, "training on")
+        time.sleep(2)
+        workers = process_tree(process.pid)
+        os.killpg(process.pid, signal.SIGTERM)
+        _, errors = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signal.SIGTERM and "stopped at update" in errors, errors
+    assert "failed" not in errors and "died" not in errors and "Traceback" not in errors, errors
+    time.sleep(0.5)
+    assert not [pid for pid in workers if alive(pid)]
+
+
 def test_a_run_that_outlives_its_terminal_trains_on(script, tmp_path):
     # A run left behind with `& disown` (or started under `nohup`) never hears the hang-up, but its
     # stdout and stderr are still the terminal: its next line there failed ("input/output error"),

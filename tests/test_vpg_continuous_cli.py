@@ -2,8 +2,11 @@
 PyTorch scripts do alike is tested once, in `test_torch_scripts_cli.py`."""
 
 import os
+import pickle
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import cv2
@@ -168,6 +171,30 @@ def test_eval_plays_whole_episodes_and_writes_videos(trained, tmp_path):
         "episode 1/2", "episode 2/2"]
 
 
+def test_sigterm_stops_an_evaluation_that_records_videos(trained, tmp_path):
+    # pygame's SDL, as it first renders, took SIGTERM for its own: the evaluation played on to the end.
+    process = subprocess.Popen([sys.executable, SCRIPT, *map(str, ["--eval", trained[0] / "checkpoint.pt", "--eval-episodes",
+                                                                   2, "--max-episode-steps", 5000, "--capture-video",
+                                                                   "--run-dir", tmp_path])], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):  # until the videos are being written
+            if len(list((tmp_path / "videos").glob(".*.mp4"))) == 2 or process.poll() is not None:
+                break
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        process.kill()
+
+
+def test_a_jax_env_trains_in_spawned_workers(tmp_path):
+    # Forked after `describe_env` had started JAX's threads, its workers hung before their first step.
+    result = run("--env", "phys2d/Pendulum-v0", "--total-timesteps", 128, "--num-envs", 2, "--num-steps", 64,
+                 "--num-minibatches", 2, "--value-epochs", 1, "--run-dir", tmp_path, timeout=120)
+    assert result.returncode == 0 and "done: 128 steps" in result.stderr, result.stderr
+
+
 def test_the_default_mujoco_env_trains_evaluates_and_records(tmp_path):
     # HalfCheetah-v5, the default, with its defaults but for a shorter run and episodes cut at
     # 250 steps: each of the 8 envs finishes two episodes in its 512 steps.
@@ -216,6 +243,7 @@ def test_no_opengl_at_all_names_what_to_install(monkeypatch):
     (["--device", "tpu"], "invalid choice: 'tpu'"),
     (["--eval", "missing.pt"], "checkpoint missing.pt does not exist"),
     (["--resume", "."], "checkpoint . is not a file"),
+    (["--resume", ""], "checkpoint  is not a file"),  # it was a traceback
     (["--eval", "a.pt", "--resume", "b.pt"], "cannot be used together"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message, capsys):
@@ -297,6 +325,13 @@ def test_damaged_and_foreign_checkpoints_exit_2(trained, tmp_path, capsys):
     torch.save(other_network, tmp_path / "other.pt")
     one_line_error(*run_main(capsys, "--eval", tmp_path / "other.pt")[::2], "holds a different policy network")
     one_line_error(*run_main(capsys, "--resume", checkpoint, "--num-envs", 2)[::2], "keeps its batch of 1024")
+    one_line_error(*run_main(capsys, "--resume", checkpoint, "--no-normalize-observations")[::2],
+                   "a resumed run keeps --normalize-observations as it was trained (on)")
+    one_line_error(*run_main(capsys, "--resume", checkpoint, "--state-dependent-std")[::2],
+                   "a resumed run keeps --state-dependent-std as it was trained (off)")
+    pickled = tmp_path / "pickled.pt"
+    pickled.write_bytes(pickle.dumps({"model": 1}, protocol=4))  # torch warned of it before refusing it
+    one_line_error(*run_main(capsys, "--eval", pickled)[::2], "the file is damaged or not a checkpoint of vpg_continuous.py")
     one_line_error(*run_main(capsys, *PENDULUM, "--run-dir", run_dir)[::2], "already holds a checkpoint")
 
 

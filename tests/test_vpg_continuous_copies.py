@@ -200,7 +200,7 @@ SAME_TEXT = [
     # Part 1
     "linear_schedule", "explained_variance", "NonFiniteError",
     # Part 2
-    "WorkerError", "numpy_views",
+    "WorkerError", "numpy_views", "STOP_SIGNALS",
     # Part 3: the command line, checkpoints and faults, logging, signals, the run, tracking, video
     "ConfigError", "field_docs", "integer", "OneLineParser", "flag", "parse_config", "WriteFailed", "written", "save_checkpoint",
     "last_checkpoint", "writable_dir", "run_dir_lock", "format_duration", "how_many", "default_run_dir", "timer", "Aborted", "Stopped", "Signals", "Terminal",

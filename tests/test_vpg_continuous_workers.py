@@ -100,6 +100,47 @@ def test_close_leaves_no_process():
     workers.close()  # closing twice is harmless
 
 
+def test_workers_leave_the_signals_that_stop_a_run_to_the_main_process():
+    # `kill -- -PGID`, a terminal's hang-up and SLURM's `scancel` signal every process of a run. A worker
+    # that heard them died of them (spawned) or raised in the main process's handler it inherited (forked).
+    with deadline(60), vpg.Workers("Pendulum-v1", 2, 2, 0, vpg.describe_env("Pendulum-v1")) as workers:
+        workers.reset()
+        for process in workers.processes:
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                os.kill(process.pid, signum)
+        time.sleep(0.2)
+        for _ in range(5):
+            workers.step(np.zeros((2, 1)))
+
+
+class Heard(Exception):
+    """What the tests' handler of SIGTERM raises in the main process."""
+
+
+def test_a_signal_while_the_workers_start_is_heard_once_they_have(monkeypatch):
+    # While the workers start, the signals that stop a run are held back from this process (and from
+    # them, until they ignore them), then heard. A Ctrl-C that came meanwhile used to be lost (the run
+    # trained on), and a SIGTERM was heard at once, leaving the workers started so far running.
+    started, real_start = [], mp.process.BaseProcess.start
+
+    def start_then_signal(process):
+        real_start(process)
+        started.append(process)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def hear(signum, frame):
+        raise Heard(signum)
+
+    monkeypatch.setattr(mp.process.BaseProcess, "start", start_then_signal)
+    previous = signal.signal(signal.SIGTERM, hear)
+    try:
+        with deadline(60), pytest.raises(Heard):
+            vpg.Workers("Pendulum-v1", 4, 2, 0, vpg.describe_env("Pendulum-v1"))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert len(started) == 2 and living([process.pid for process in started]) == []
+
+
 def test_workers_exit_when_the_main_process_is_killed():
     # A main process that dies without closing its workers (SIGKILL, the OOM killer) must not
     # leave them behind: each worker watches its parent and exits when it is gone.
