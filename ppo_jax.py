@@ -1498,8 +1498,9 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None, str, s
     checkpoint's hyperparameters. Flags given on the command line override either.
     """
     given = vars(build_parser().parse_args(argv))
-    checkpoint, path = None, given.get("resume") or given.get("eval")
-    if path is not None and not (given.get("resume") and given.get("eval")):
+    resume, evaluated = given.get("resume"), given.get("eval")  # either may be "", a path that is no file
+    checkpoint, path = None, resume if evaluated is None else evaluated
+    if (resume is None) != (evaluated is None):
         checkpoint = load_checkpoint(path)
     # The checkpoint's hyperparameters, `AtariConfig`'s: a resumed run's own options (`RunConfig`'s) are its command line's.
     saved = {k: v for k, v in checkpoint["config"].items() if k in AtariConfig.__dataclass_fields__} if checkpoint else {}
@@ -1675,6 +1676,8 @@ def load_checkpoint(path: str) -> dict:
         except (KeyError, TypeError, IndexError):  # a name missing, or a node that holds no names
             raise ConfigError(f"checkpoint {path} has no {'.'.join(names)}: it is damaged, or from another "
                               f"version of {PROG}") from None
+    if not all(np.isfinite(weights).all() for weights in jax.tree.leaves(checkpoint["runners"]["agent"]["params"])):
+        raise ConfigError(f"checkpoint {path} holds non-finite weights: it was written after its run diverged")
     # One written before the ring of the last 100 returns existed resumes with an empty ring.
     agents = checkpoint["config"]["num_seeds"]
     checkpoint["runners"] = {"recent_returns": np.zeros((agents, SCORE_WINDOW), np.float32),
@@ -1892,7 +1895,7 @@ class Signals:
     """
 
     def __init__(self):
-        self.requested, self.training, self.writing = None, False, threading.Lock()
+        self.requested, self.training, self.closing, self.writing = None, False, False, threading.Lock()
         self.last_checkpoint: Callable[[], Path | None] = lambda: None
 
     def __enter__(self) -> Signals:
@@ -1907,13 +1910,14 @@ class Signals:
 
     def listen(self) -> None:
         while (signum := os.read(self.pipe[0], 1)[0]) != 0:  # a zero byte: `__exit__` asks the thread to end
-            if self.training and self.requested is None:
-                with self.writing:  # between two lines of the run, and before the stop it announces
+            with self.writing:  # between two lines of the run; to abort, never let go: nothing is printed after its line
+                if self.closing:  # the run has printed its last line: nothing is left to stop
+                    continue
+                if self.training and self.requested is None:
                     print(f"\n{signal.Signals(signum).name}: stopping at the next safe point and saving a checkpoint "
                           "(Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
                     self.requested = signum
-                continue
-            with self.writing:  # never let go: nothing is written or printed after this line
+                    continue
                 last = self.last_checkpoint()
                 print(f"\n{'aborted by a second interrupt' if self.training else 'interrupted before training began'}"
                       f": no checkpoint written now; {f'the last one is {last}' if last else 'none was written'}",
@@ -2184,6 +2188,7 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
     except (DivergedError, OSError) as error:  # the logging thread is done, so that this is the last line
         last = run.last_checkpoint()
         with signals.writing:
+            signals.closing = True  # the run's last line: a signal now finds nothing to stop
             if isinstance(error, DivergedError):
                 print(f"\n{error}; " + (f"the last good checkpoint is {last}" if last else "no checkpoint was written"),
                       file=sys.stderr)
@@ -2191,7 +2196,8 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
                 print(f"\n{PROG}: error: {unwritten(error)}; "
                       + (f"the last checkpoint is {last}" if last else "none was written"), file=sys.stderr)
         return 1
-    with signals.writing:  # a second Ctrl-C's line, if it comes now, is the last (see `Signals`)
+    with signals.writing:  # the run's last lines: a signal that comes now, or after, finds nothing to stop
+        signals.closing = True
         run.progress.show(update * config.batch_size, final=True)
         if signals.requested and update < config.num_updates:  # one heard in the last chunk found nothing to stop
             print(f"stopped at update {update}; resume with --resume {run.checkpoint_path}", file=sys.stderr)
@@ -2429,6 +2435,8 @@ def load_policy(path: str | Path, agent: int = 0) -> Policy:
     """The policy of agent `agent` of the checkpoint at `path`. The README shows a loop that plays with it."""
     checkpoint = load_checkpoint(str(path))
     config = AtariConfig(**{k: v for k, v in checkpoint["config"].items() if k in AtariConfig.__dataclass_fields__})
+    if not 0 <= agent < config.num_seeds:  # an index past the end would be clamped to the last agent
+        raise ConfigError(f"checkpoint {path} holds {how_many(config.num_seeds, 'agent')}; there is no agent {agent}")
     training, agents = trained_agents(config, checkpoint["env_id"], checkpoint, str(path))
 
     def act(params: Any, normalizer: Normalizer | None, obs: jax.Array, key: jax.Array) -> jax.Array:
@@ -2447,6 +2455,7 @@ def main(argv: list[str] | None = None) -> int:
         if config.track:
             import_wandb()  # here, so that a missing wandb stops the run before it starts
         choose_device(config.device)
+        os.environ.setdefault("SDL_NO_SIGNAL_HANDLERS", "1")  # or pygame's SDL takes SIGTERM as it first renders
         if config.eval is None:
             with Signals() as signals:
                 return train_compiled(config, env_id, checkpoint, signals)
@@ -2546,7 +2555,7 @@ if __name__ == "__main__":
     # Nothing is left to stop while Python and JAX shut down. A handler that does nothing first, so
     # that a Ctrl-C or a hang-up on its way is dropped (under `SIG_IGN` alone, one arriving as it is
     # set would print "ignored due to race condition"); then `SIG_IGN`, which the shutdown keeps.
-    for sig in (signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: None)
         signal.signal(sig, signal.SIG_IGN)
     sys.exit(status)

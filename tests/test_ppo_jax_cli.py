@@ -530,17 +530,20 @@ def test_trains_on_the_gpu_where_there_is_one(run, tmp_path):
 def test_progress_every_10_seconds_and_ctrl_c_within_seconds_however_long_an_update(environment, tmp_path):
     # Updates of 64 envs x 256 steps, a fraction of a second each on a 2-core CPU, a checkpoint due every
     # 1000 of them: the chunks of the compiled run are sized by time, not by the checkpoints, so the
-    # progress line (in a log, at most every 10 s) and Ctrl-C are not kept waiting for minutes.
+    # progress line (in a log, at most every 10 s) and Ctrl-C are not kept waiting for minutes. Idle, the
+    # first line comes 2-3 s after compiling and the stop takes about 5 s; the limits allow a machine six
+    # times slower (a stop took 15.9 s with two other test loads on the same 2 cores), and are still a
+    # hundredth of what 1000 updates take.
     watched = Watched([sys.executable, SCRIPT, "--num-envs", "64", "--num-steps", "256", "--total-timesteps", "1e9",
                        "--checkpoint-every", "1000", "--run-dir", str(tmp_path)], environment)
     try:
         compiled = watched.wait_for("compiled in")
-        first = watched.wait_for("step ", timeout=30)
-        assert first - compiled < 15, watched.stderr
+        first = watched.wait_for("step ", timeout=60)
+        assert first - compiled < 30, watched.stderr
         watched.process.send_signal(signal.SIGINT)
         sent = time.monotonic()
         assert watched.finish() == 130, watched.stderr
-        assert time.monotonic() - sent < 15, watched.stderr
+        assert time.monotonic() - sent < 30, watched.stderr
     finally:
         watched.process.kill()
     assert "Traceback" not in watched.stderr
@@ -644,6 +647,10 @@ def test_a_trained_policy_loads_and_acts_as_the_readme_shows(trained):
         jax.tree.map(lambda value: value[agent], params), obs)[0].logits) for agent in (0, 1)]
     np.testing.assert_array_equal(act(obs, key), expected[1])
     assert not np.array_equal(expected[0], expected[1])
+    agents = read_checkpoint(path)["config"]["num_seeds"]
+    for agent in (agents, -1):  # JAX clamps an index past the end: it was the last agent's policy
+        with pytest.raises(ppo_jax.ConfigError, match=f"holds {agents} agents; there is no agent {agent}$"):
+            ppo_jax.load_policy(path, agent=agent)
 
 
 def test_ctrl_c_while_evaluating_is_one_line_and_exit_130(monkeypatch, capsys):

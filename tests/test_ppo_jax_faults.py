@@ -175,6 +175,24 @@ def test_resuming_a_run_that_has_trained_all_its_steps_exits_2(small, capsys, tm
     assert not (tmp_path / "run").exists()
 
 
+def test_a_checkpoint_of_non_finite_weights_exits_2(small, capsys, tmp_path):
+    # It played (or resumed, to fail as diverged, naming itself as the last good checkpoint) as any other.
+    checkpoint = read_checkpoint(small[0])
+    first = next(iter(checkpoint["runners"]["agent"]["params"]["params"].values()))
+    first["kernel"] = np.full_like(first["kernel"], np.nan)
+    path = tmp_path / "diverged.msgpack"
+    path.write_bytes(flax.serialization.msgpack_serialize(checkpoint))
+    for use in ("--eval", "--resume"):
+        line = main_error(capsys, use, path, "--total-timesteps", 4096, "--run-dir", tmp_path / "run")
+        assert line.endswith(f"checkpoint {path} holds non-finite weights: it was written after its run diverged"), line
+    with pytest.raises(ppo_jax.ConfigError, match="non-finite weights"):
+        ppo_jax.load_policy(path)
+
+
+def test_an_empty_checkpoint_path_exits_2(capsys):
+    assert main_error(capsys, "--resume", "").endswith("checkpoint  is not a file")  # it was a traceback
+
+
 @pytest.mark.parametrize("field", ["env_id", "update", "global_step", "config", "config.num_envs",
                                    "config.learning_rate", "runners", "runners.agent", "runners.agent.params"])
 @pytest.mark.parametrize("use", ["--eval", "--resume"])
@@ -508,6 +526,27 @@ ppo_jax.compile_train_chunk = compile_signalling_chunks"""
         f"done: 512 steps; checkpoint in {checkpoint}" if status == 0
         else f"stopped at update 2; resume with --resume {checkpoint}")
     assert read_checkpoint(checkpoint)["update"] == in_chunk_to
+
+
+def test_a_signal_as_the_run_ends_changes_nothing(environment, tmp_path):
+    # A scheduler's SIGTERM just after the last line used to print "stopping at the next safe point" after "done",
+    # or, once Python was shutting down, end the finished run with 143 (a job requeued on it is refused: all trained).
+    code = HOLD + """import os, signal
+real = ppo_jax.train_compiled
+def train_then_signal(*args):
+    status = real(*args)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)  # for the signals' thread to hear it
+    return status
+ppo_jax.train_compiled = train_then_signal"""
+    result = ppo_jax_run(environment, patched(code), *SMALL, "--run-dir", tmp_path / "ending")
+    assert result.returncode == 0 and result.stderr.strip().splitlines()[-1] == (
+        f"done: 512 steps; checkpoint in {tmp_path / 'ending' / 'checkpoint.msgpack'}"), result.stderr
+    shutting_down = ("import atexit, os, runpy, signal, sys, time\n"  # the last exit handler, as Python shuts down
+                     "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.5)))\n"
+                     f"sys.argv[0] = {SCRIPT!r}\nrunpy.run_path({SCRIPT!r}, run_name='__main__')")
+    result = ppo_jax_run(environment, [sys.executable, "-c", shutting_down], *SMALL, "--run-dir", tmp_path / "exiting")
+    assert result.returncode == 0, result.stderr
 
 
 def test_a_terminal_that_hangs_up_stops_the_run_with_a_checkpoint(environment, tmp_path):
