@@ -77,6 +77,7 @@ import io
 import math
 import multiprocessing as mp
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -1006,8 +1007,9 @@ class Workers:
         self.arrays = numpy_views(blocks)
         self.processes: list[mp.process.BaseProcess] = []
         self.connections: list[Connection] = []
-        # Started with the stop signals blocked, so that one sent while they start (before they can ignore it)
-        # neither reaches them nor is lost: it waits, and this process hears it once they have started.
+        # Started with the stop signals blocked in this thread (the mask survives fork and exec): one sent while
+        # they start reaches neither them, before they ignore it, nor this process until they have started. If
+        # another thread of the process takes it meanwhile, it is heard at once, and those started are closed.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             for index, envs in enumerate(np.array_split(np.arange(num_envs), num_workers)):
@@ -1935,7 +1937,7 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
         if ranks.is_main and checkpoint_path.exists() and not (checkpoint and checkpoint_path.samefile(config.resume)):
             raise ConfigError(f"{run_dir} already holds another run's checkpoint; resume that one, or choose another "
                               f"--run-dir for this one" if checkpoint else f"{run_dir} already holds a checkpoint; "
-                              f"resume it with --resume {checkpoint_path} or choose another --run-dir")
+                              f"resume it with --resume {shlex.quote(str(checkpoint_path))} or choose another --run-dir")
         if ranks.is_main and checkpoint is None and (run_dir / "checkpoint.msgpack").exists():  # one run a directory
             raise ConfigError(f"{run_dir} already holds a run of ppo_jax.py (checkpoint.msgpack); choose another --run-dir")
         torch.manual_seed(config.seed + ranks.rank)
@@ -2014,7 +2016,7 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
             signals.closing = True
             if ranks.is_main:
                 progress.show(trainer.global_step, final=True)
-                print(f"stopped at update {trainer.update}; resume with --resume {checkpoint_path}" if stopped_by
+                print(f"stopped at update {trainer.update}; resume with --resume {shlex.quote(str(checkpoint_path))}" if stopped_by
                       else f"done: {trainer.global_step:,} steps; checkpoint in {checkpoint_path}", file=sys.stderr)
             return 128 + stopped_by if stopped_by else 0
         except WorkerError as error:
