@@ -114,6 +114,7 @@ import inspect
 import io
 import math
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -2003,7 +2004,7 @@ class Run:
         self.checkpoint_path, self.tracking, self.logging = self.dir / "checkpoint.msgpack", None, []
         if self.checkpoint_path.exists() and not (checkpoint and self.checkpoint_path.samefile(config.resume)):
             raise ConfigError(f"{self.dir} already holds a checkpoint{f' of another run than {config.resume}' if checkpoint else ''}; "
-                              f"resume it with --resume {self.checkpoint_path} or choose another --run-dir")
+                              f"resume it with --resume {shlex.quote(str(self.checkpoint_path))} or choose another --run-dir")
         if checkpoint is None and (self.dir / "checkpoint.pt").exists():  # one run a directory, whatever the script
             raise ConfigError(f"{self.dir} already holds a run of ppo_atari.py or vpg_continuous.py (checkpoint.pt); "
                               "choose another --run-dir")
@@ -2200,7 +2201,7 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
         signals.closing = True
         run.progress.show(update * config.batch_size, final=True)
         if signals.requested and update < config.num_updates:  # one heard in the last chunk found nothing to stop
-            print(f"stopped at update {update}; resume with --resume {run.checkpoint_path}", file=sys.stderr)
+            print(f"stopped at update {update}; resume with --resume {shlex.quote(str(run.checkpoint_path))}", file=sys.stderr)
             return 128 + signals.requested
         print(f"done: {update * config.batch_size:,} steps; checkpoint in {run.checkpoint_path}", file=sys.stderr)
         return 0

@@ -519,12 +519,13 @@ def compile_signalling_chunks(*args):
         return result
     return signalling
 ppo_jax.compile_train_chunk = compile_signalling_chunks"""
-    result = ppo_jax_run(environment, patched(code), *SMALL, "--run-dir", tmp_path)
-    checkpoint = tmp_path / "checkpoint.msgpack"
+    run_dir = tmp_path / "a run"  # the resume line quotes its path, so that it can be pasted into a shell
+    result = ppo_jax_run(environment, patched(code), *SMALL, "--run-dir", run_dir)
+    checkpoint = run_dir / "checkpoint.msgpack"
     assert result.returncode == status and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"done: 512 steps; checkpoint in {checkpoint}" if status == 0
-        else f"stopped at update 2; resume with --resume {checkpoint}")
+        else f"stopped at update 2; resume with --resume '{checkpoint}'")
     assert read_checkpoint(checkpoint)["update"] == in_chunk_to
 
 

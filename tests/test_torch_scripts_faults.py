@@ -111,11 +111,12 @@ def test_a_sigterm_in_the_last_update_finds_nothing_to_stop(script, in_update, s
         return real_update(self, rollout)
 
     monkeypatch.setattr(script.module.Trainer, "update_policy", update)
-    got, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 256, "--run-dir", tmp_path)
+    run_dir = tmp_path / "a run"  # the resume line quotes its path, so that it can be pasted into a shell
+    got, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 256, "--run-dir", run_dir)
     assert got == status and "Traceback" not in stderr, stderr
-    path = tmp_path / "checkpoint.pt"
+    path = run_dir / "checkpoint.pt"
     assert stderr.strip().splitlines()[-1] == (f"done: 256 steps; checkpoint in {path}" if status == 0
-                                               else f"stopped at update 1; resume with --resume {path}")
+                                               else f"stopped at update 1; resume with --resume '{path}'")
     assert torch.load(path, weights_only=True)["update"] == in_update
 
 
