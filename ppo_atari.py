@@ -1017,10 +1017,10 @@ class Workers:
                 process = context.Process(target=run_worker, name=f"ppo_atari-worker-{index}", daemon=True,
                                           args=(theirs, make_env, env_id, seeds[envs], int(envs[0]), blocks,
                                                 game_options))
+                self.processes.append(process)  # first: a signal heard as it starts finds it here, to close
+                self.connections.append(ours)
                 process.start()
                 theirs.close()
-                self.processes.append(process)
-                self.connections.append(ours)
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             self._receive()
         except BaseException:
@@ -1077,6 +1077,8 @@ class Workers:
             except (OSError, ValueError):
                 pass
         for process in self.processes:
+            if process.pid is None:  # never started: a signal came first
+                continue
             process.join(timeout=3)
             if process.is_alive():
                 process.kill()

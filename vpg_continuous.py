@@ -1167,10 +1167,10 @@ class Workers:
                 process = context.Process(target=run_worker, name=f"vpg_continuous-worker-{index}", daemon=True,
                                           args=(theirs, env_id, seeds[envs], int(envs[0]), blocks, max_episode_steps,
                                                 make_task))
+                self.processes.append(process)  # first: a signal heard as it starts finds it here, to close
+                self.connections.append(ours)
                 process.start()
                 theirs.close()
-                self.processes.append(process)
-                self.connections.append(ours)
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             self._receive()
         except BaseException:
@@ -1228,6 +1228,8 @@ class Workers:
             except (OSError, ValueError):
                 pass
         for process in self.processes:
+            if process.pid is None:  # never started: a signal came first
+                continue
             process.join(timeout=3)
             if process.is_alive():
                 process.kill()
@@ -2302,7 +2304,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"checkpoint {config.resume or config.eval} was trained on {checkpoint['env_id']}, "
                               f"not {env_id}")
         for name in ("state_dependent_std", "normalize_observations"):  # what the network is, and what it sees
-            if config.resume is not None and getattr(config, name) != checkpoint["config"][name]:
+            if config.resume is not None and getattr(config, name) != checkpoint["config"].get(name, getattr(config, name)):
                 raise ConfigError(f"a resumed run keeps {flag(name)} as it was trained ("
                                   f"{'on' if checkpoint['config'][name] else 'off'})")
         if config.capture_video and uses_mujoco(env_id):
