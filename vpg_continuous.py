@@ -1906,10 +1906,10 @@ def train(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict | 
             # The workers start before anything touches CUDA or starts a thread (TensorBoard's
             # writer does), so that forking them is safe. A JAX env (gymnasium's `phys2d/Pendulum-v0`)
             # started JAX's threads as `describe_env` made it: its workers are spawned instead.
-            jax_env = "jax" in str(gym.spec(env_id).entry_point).lower()
+            default = "spawn" if "jax" in str(gym.spec(env_id).entry_point).lower() else None
             envs = opened.enter_context(RunWorkers(
                 env_id, config.num_envs, num_workers, config.seed, spaces, config.max_episode_steps,
-                {"default": "spawn" if jax_env else None}.get(config.start_method, config.start_method), first_update,
+                default if config.start_method == "default" else config.start_method, first_update,
                 first_env=ranks.rank * config.num_envs, signals=signals if ranks.size == 1 else None,
                 make_task=task_maker(config, env_id, run_dir, first_update)))
             device = choose_device(config.device, ranks.local_rank)
