@@ -1921,7 +1921,7 @@ class Signals:
                     continue
                 last = self.last_checkpoint()
                 print(f"\n{'aborted by a second interrupt' if self.training else 'interrupted before training began'}"
-                      f": no checkpoint written now; {f'the last one is {last}' if last else 'none was written'}",
+                      f"; {f'the last checkpoint is {last}' if last else 'no checkpoint was written'}",
                       file=sys.stderr, flush=True)
                 os._exit(128 + signum)
 
@@ -2225,10 +2225,14 @@ def import_wandb():
 
 
 def start_tracking(config, name: str, job_type: str = "train"):
-    """A Weights & Biases run named `name` that syncs the TensorBoard events written after it starts."""
-    return import_wandb().init(project=config.wandb_project_name, entity=config.wandb_entity, name=name,
-                               job_type=job_type, config=vars(config), sync_tensorboard=True, monitor_gym=False,
-                               save_code=True)
+    """A Weights & Biases run named `name` that syncs the TensorBoard events written after it starts;
+    one that wandb refuses to start (no API key, say) is a `ConfigError` in its words."""
+    wandb = import_wandb()
+    try:
+        return wandb.init(project=config.wandb_project_name, entity=config.wandb_entity, name=name, job_type=job_type,
+                          config=vars(config), sync_tensorboard=True, monitor_gym=False, save_code=True)
+    except wandb.errors.UsageError as error:
+        raise ConfigError(f"--track: {' '.join(str(error).split())}") from None
 
 
 def track_evaluation(config, returns: list[float], videos: list[Path]) -> None:

@@ -1364,11 +1364,11 @@ NUMBER_RULES = [
 
 def check_config(config: RunConfig) -> None:
     """Refuse settings that cannot work, before any process starts."""
-    # Every number first: a NaN passes every comparison below unnoticed, and an inf fails only at
-    # the first update.
+    # Every number first: a NaN passes every comparison below unnoticed, and an inf, or a number
+    # past float32's largest (the network computes in float32), fails only at the first update.
     for name, value in vars(config).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{flag(name)} must be a finite number, not {value}")
+        if isinstance(value, float) and not abs(value) <= torch.finfo(torch.float32).max:
+            raise ConfigError(f"{flag(name)} must be a finite number in float32's range (to 3.4e38), not {value}")
     for names, holds, words in NUMBER_RULES:
         for name in names:
             if not holds(getattr(config, name)):
@@ -1734,11 +1734,11 @@ def log_update(writer, step: int, stats: dict[str, float], finished_episodes: li
 
 
 class Aborted(KeyboardInterrupt):
-    """A signal that ends the run at once: `why`, in words, and the exit status it gives."""
+    """A signal that ends the run at once: why, in words, and the exit status it gives."""
 
     def __init__(self, why: str, signum: int):
         super().__init__(why)
-        self.why, self.status = why, 128 + signum
+        self.status = 128 + signum
 
 
 class Stopped(Exception):
@@ -1991,14 +1991,10 @@ def train(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict | 
         except (Aborted, NonFiniteError, RankFailure, torch.OutOfMemoryError) as error:
             signals.closing = True
             last = last_checkpoint(checkpoint_path, config.resume)
-            if isinstance(error, Aborted):
-                print(f"\n{error.why}: no checkpoint written now; " + (f"the last one is {last}" if last else
-                                                                       "none was written"), file=sys.stderr)
-                return error.status
             good = "good " if isinstance(error, NonFiniteError) else ""
             print(f"\n{' '.join(str(error).split())}; " + (f"the last {good}checkpoint is {last}" if last else
                                                           "no checkpoint was written"), file=sys.stderr)
-            return 1
+            return error.status if isinstance(error, Aborted) else 1
 
 
 # ### Experiment tracking
@@ -2020,10 +2016,14 @@ def import_wandb():
 
 
 def start_tracking(config, name: str, job_type: str = "train"):
-    """A Weights & Biases run named `name` that syncs the TensorBoard events written after it starts."""
-    return import_wandb().init(project=config.wandb_project_name, entity=config.wandb_entity, name=name,
-                               job_type=job_type, config=vars(config), sync_tensorboard=True, monitor_gym=False,
-                               save_code=True)
+    """A Weights & Biases run named `name` that syncs the TensorBoard events written after it starts;
+    one that wandb refuses to start (no API key, say) is a `ConfigError` in its words."""
+    wandb = import_wandb()
+    try:
+        return wandb.init(project=config.wandb_project_name, entity=config.wandb_entity, name=name, job_type=job_type,
+                          config=vars(config), sync_tensorboard=True, monitor_gym=False, save_code=True)
+    except wandb.errors.UsageError as error:
+        raise ConfigError(f"--track: {' '.join(str(error).split())}") from None
 
 
 def send_new_videos(tracking, video_dir: Path, sent: set[Path]) -> None:

@@ -141,6 +141,9 @@ def test_eval_plays_whole_games_and_writes_videos(trained, tmp_path):
     (["--num-minibatches", "3"], "does not split into 3 minibatches"),
     (["--num-steps", "-5"], "--num-steps must be positive"),
     (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
+    (["--learning-rate", "nan"], "--learning-rate must be a finite number in float32's range (to 3.4e38), not nan"),
+    (["--clip-range", "1e39"], "--clip-range must be a finite number in float32's range (to 3.4e38), not 1e+39"),
+    (["--max-episode-frames", "2147483648"], "--max-episode-frames must be at most 2**31 - 1"),  # a worker's traceback
     (["--total-timesteps", "lots"], "invalid integer value: 'lots'"),
     (["--total-timesteps", "100"], "less than one batch"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),

@@ -64,7 +64,7 @@ def test_a_ctrl_c_during_the_write_of_a_checkpoint_waits_until_the_checkpoint_is
     # The checkpoint of update 2 is written whole; then the two signals are a request and an abort.
     assert status == 130 and "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == (
-        f"aborted by a second interrupt: no checkpoint written now; the last one is {tmp_path / 'checkpoint.pt'}")
+        f"aborted by a second interrupt; the last checkpoint is {tmp_path / 'checkpoint.pt'}")
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] == 2
     assert not list(tmp_path.glob("*.tmp"))
 
@@ -93,7 +93,7 @@ def test_a_second_ctrl_c_aborts_at_once_naming_the_last_checkpoint(script, phase
                                         "--run-dir", tmp_path)
     assert status == 130 and "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == (
-        f"aborted by a second interrupt: no checkpoint written now; the last one is {tmp_path / 'checkpoint.pt'}")
+        f"aborted by a second interrupt; the last checkpoint is {tmp_path / 'checkpoint.pt'}")
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] == last
     assert not list(tmp_path.glob("*.tmp"))
 
@@ -150,8 +150,8 @@ def test_ctrl_c_pressed_again_and_again_leaves_no_traceback_and_no_worker(script
     assert "Traceback" not in errors and "KeyboardInterrupt" not in errors, errors
     if "aborted" in errors:
         assert errors.strip().splitlines()[-1] in [
-            f"aborted by a second interrupt: no checkpoint written now; the last one is {tmp_path / 'checkpoint.pt'}",
-            "aborted by a second interrupt: no checkpoint written now; none was written"]
+            f"aborted by a second interrupt; the last checkpoint is {tmp_path / 'checkpoint.pt'}",
+            "aborted by a second interrupt; no checkpoint was written"]
     else:
         assert "stopped at update" in errors
     assert not list(tmp_path.glob("*.tmp"))
@@ -197,7 +197,7 @@ def test_ctrl_c_while_the_workers_start(script, tmp_path, presses):
     assert "training on" not in errors, errors
     assert process.returncode == 130 and "Traceback" not in errors, errors
     # Before training begins there is nothing to save: the first press aborts (as in ppo_jax.py).
-    assert "interrupted before training began: no checkpoint written now; none was written" in errors, errors
+    assert "interrupted before training began; no checkpoint was written" in errors, errors
     assert not (tmp_path / "checkpoint.pt").exists()
     time.sleep(0.5)
     assert not [pid for pid in workers if alive(pid)]

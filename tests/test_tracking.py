@@ -38,6 +38,21 @@ def test_track_without_wandb_is_one_line_before_anything_starts(script, tmp_path
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("script", list(TINY))
+def test_track_without_an_api_key_is_one_line(script, tmp_path):
+    # Online, with no key in the environment or in ~/.netrc: wandb refuses, and the run ends in its words.
+    pytest.importorskip("wandb")
+    environment = {name: value for name, value in os.environ.items() if not name.startswith("WANDB_")}
+    environment.update(HOME=str(tmp_path), WANDB_DIR=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path))
+    result = subprocess.run([sys.executable, str(ROOT / f"{script}.py"), *map(str, TINY[script]), "--track",
+                             "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env=environment, stdin=subprocess.DEVNULL)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (f"{script}.py: error: --track: No API key configured. Use "
+                                                      "`wandb login` to log in."), result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def scalar_tags(run_dir: Path) -> set[str]:
     """The scalar tags of a run's TensorBoard events, those of a writer in a subdirectory under its name."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
