@@ -1490,7 +1490,10 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None]:
     fields = {field.name for field in dataclasses.fields(Config)}
     base = {name: value for name, value in checkpoint["config"].items() if name in fields} if checkpoint else {}
     config = RunConfig(**{**base, **given})
-    check_config(config)
+    try:
+        check_config(config)
+    except TypeError:  # a setting of the wrong kind: only an edited checkpoint holds one, the command line's are parsed
+        raise ConfigError(f"checkpoint {config.resume or config.eval} holds settings of the wrong kind") from None
     if config.resume is not None and base["num_envs"] * base["num_steps"] != config.batch_size:
         raise ConfigError(f"a resumed run keeps its batch of {base['num_envs'] * base['num_steps']} "
                           f"transitions (--num-envs x --num-steps)")
@@ -1553,8 +1556,8 @@ class RunTrainer(FastSamplingTrainer):
 
 
 CHECKPOINT_FORMAT = "ppo_atari/1"
-CHECKPOINT_FIELDS = ("config", "update", "global_step", "ranks", "model", "optimizer", "torch_rng", "cuda_rng",
-                     "game")
+CHECKPOINT_FIELDS = {"config": dict, "update": int, "global_step": int, "ranks": int, "model": dict, "optimizer": dict,
+                     "torch_rng": list, "cuda_rng": list, "game": str}  # each field, and the kind of its value
 
 
 def game_name(env_id: str) -> str:
@@ -1666,6 +1669,10 @@ def load_checkpoint(path: str) -> dict:
     missing = [field for field in CHECKPOINT_FIELDS if field not in checkpoint]
     if missing:
         raise ConfigError(f"checkpoint {path} lacks {', '.join(missing)}: another version of ppo_atari.py wrote it")
+    wrong = [field for field, kind in CHECKPOINT_FIELDS.items() if not isinstance(checkpoint[field], kind)]
+    if wrong:
+        raise ConfigError(f"checkpoint {path} holds {', '.join(wrong)} of another kind: it was edited, or another "
+                          f"program wrote it")
     return checkpoint
 
 
@@ -1676,7 +1683,8 @@ def restore_model(model: nn.Module, checkpoint: dict, path: str) -> None:
         model.load_state_dict(checkpoint["model"])
     except RuntimeError as error:
         first = str(error).strip().splitlines()
-        raise ConfigError(f"checkpoint {path} holds a different network: {' '.join(first[1:2] or first)}") from None
+        raise ConfigError(f"checkpoint {path} holds a different network: "
+                          f"{' '.join(' '.join(first[1:2] or first).split())}") from None
     if not all(torch.isfinite(parameter).all() for parameter in model.parameters()):
         raise ConfigError(f"checkpoint {path} holds non-finite weights: it was written after its run diverged")
 

@@ -1419,7 +1419,10 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None]:
     fields = {field.name for field in dataclasses.fields(Config)}
     base = {name: value for name, value in checkpoint["config"].items() if name in fields} if checkpoint else {}
     config = RunConfig(**{**base, **given})
-    check_config(config)
+    try:
+        check_config(config)
+    except TypeError:  # a setting of the wrong kind: only an edited checkpoint holds one, the command line's are parsed
+        raise ConfigError(f"checkpoint {config.resume or config.eval} holds settings of the wrong kind") from None
     if config.resume is not None and base["num_envs"] * base["num_steps"] != config.batch_size:
         raise ConfigError(f"a resumed run keeps its batch of {base['num_envs'] * base['num_steps']} "
                           f"transitions (--num-envs x --num-steps)")
@@ -1499,8 +1502,9 @@ class RunTrainer(Trainer):
 
 
 CHECKPOINT_FORMAT = "vpg_continuous/1"
-CHECKPOINT_FIELDS = ("config", "env_id", "update", "global_step", "ranks", "policy", "value", "optimizer",
-                     "obs_normalizer", "reward_scaler", "torch_rng", "cuda_rng")
+CHECKPOINT_FIELDS = {"config": dict, "env_id": str, "update": int, "global_step": int, "ranks": int, "policy": dict,
+                     "value": dict, "optimizer": dict, "obs_normalizer": dict, "reward_scaler": (dict, type(None)),
+                     "torch_rng": list, "cuda_rng": list}  # each field, and the kind of its value
 
 
 def checkpoint_state(trainer: Trainer, env_id: str, ranks: Ranks) -> dict:
@@ -1615,6 +1619,10 @@ def load_checkpoint(path: str) -> dict:
     missing = [field for field in CHECKPOINT_FIELDS if field not in checkpoint]
     if missing:
         raise ConfigError(f"checkpoint {path} lacks {', '.join(missing)}: another version of vpg_continuous.py wrote it")
+    wrong = [field for field, kind in CHECKPOINT_FIELDS.items() if not isinstance(checkpoint[field], kind)]
+    if wrong:
+        raise ConfigError(f"checkpoint {path} holds {', '.join(wrong)} of another kind: it was edited, or another "
+                          f"program wrote it")
     return checkpoint
 
 
@@ -1626,7 +1634,7 @@ def restore_networks(networks: dict[str, nn.Module], checkpoint: dict, path: str
         except RuntimeError as error:
             first = str(error).strip().splitlines()
             raise ConfigError(f"checkpoint {path} holds a different {name} network: "
-                              f"{' '.join(first[1:2] or first)}") from None
+                              f"{' '.join(' '.join(first[1:2] or first).split())}") from None
         if not all(torch.isfinite(parameter).all() for parameter in network.parameters()):
             raise ConfigError(f"checkpoint {path} holds non-finite {name} weights: it was written after "
                               f"its run diverged")

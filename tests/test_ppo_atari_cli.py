@@ -186,7 +186,8 @@ def test_damaged_and_foreign_checkpoints_exit_2(trained, tmp_path):
     other_network["model"]["policy.weight"] = torch.zeros(6, 512)
     other_network["model"]["policy.bias"] = torch.zeros(6)
     torch.save(other_network, tmp_path / "other.pt")
-    one_line_error(run("--eval", tmp_path / "other.pt"), "holds a different network")
+    one_line_error(run("--eval", tmp_path / "other.pt"), "holds a different network: size mismatch for policy.weight")
+    assert "\t" not in run("--eval", tmp_path / "other.pt").stderr  # torch's message indents its lines with a tab
     one_line_error(run("--resume", run_dir / "checkpoint.pt", "--num-envs", 4), "keeps its batch of 1024")
     one_line_error(run("--run-dir", run_dir), "already holds a checkpoint")
 

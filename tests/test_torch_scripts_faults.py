@@ -511,6 +511,22 @@ def test_ctrl_c_while_evaluating_is_one_line_and_exit_130(script, tmp_path, monk
     assert status == 130 and stderr.strip().splitlines() == ["interrupted; no checkpoint written"], stderr
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda checkpoint: checkpoint.update(config=None), "holds config of another kind: it was edited"),
+    (lambda checkpoint: checkpoint.update(update="four"), "holds update of another kind: it was edited"),
+    (lambda checkpoint: checkpoint.update(torch_rng=None), "holds torch_rng of another kind: it was edited"),
+    (lambda checkpoint: checkpoint["config"].update(num_envs="2"), "holds settings of the wrong kind"),
+])
+def test_a_checkpoint_edited_by_hand_is_one_line(script, edit, message, tmp_path, capsys):
+    # Each of these was a traceback (an AttributeError, a TypeError), or in --eval a run that went on.
+    assert script.run_main(capsys, *script.tiny, "--total-timesteps", 128, "--run-dir", tmp_path)[0] == 0
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    edit(checkpoint)
+    torch.save(checkpoint, tmp_path / "edited.pt")
+    for command in ("--resume", "--eval"):
+        script.one_line_error(*script.run_main(capsys, command, tmp_path / "edited.pt")[::2], message)
+
+
 def test_a_checkpoint_missing_a_field_is_one_line(script, tmp_path, capsys):
     assert script.run_main(capsys, *script.tiny, "--total-timesteps", 128, "--run-dir", tmp_path)[0] == 0
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
