@@ -1456,7 +1456,8 @@ def check_config(config: RunConfig) -> None:
         (config.num_workers > config.num_envs, f"--num-workers {config.num_workers} is more than --num-envs "
          f"{config.num_envs}"),
         (config.max_episode_frames <= config.noop_max + 2 * config.frame_skip, f"--max-episode-frames "
-         f"{config.max_episode_frames} leaves no room to play after {config.noop_max} no-ops"),
+         f"{config.max_episode_frames} leaves no room to play after {config.noop_max} no-ops and two steps of "
+         f"--frame-skip {config.frame_skip}"),
         (config.eval is not None and config.resume is not None, "--eval and --resume cannot be used together"),
     ]
     for problem, words in problems:

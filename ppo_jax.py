@@ -1453,7 +1453,7 @@ def check_config(config: RunConfig, family: str) -> None:
                           f"({config.batch_size} = num envs x num steps)")
     if config.max_episode_frames <= config.noop_max + 2 * config.frame_skip:
         raise ConfigError(f"--max-episode-frames {config.max_episode_frames} leaves no room to play "
-                          f"after {config.noop_max} no-ops")
+                          f"after {config.noop_max} no-ops and two steps of --frame-skip {config.frame_skip}")
     if config.eval is not None and config.resume is not None:
         raise ConfigError("--eval and --resume cannot be used together")
     if family == "Atari" and config.num_seeds > 1:

@@ -143,6 +143,8 @@ def test_eval_plays_whole_games_and_writes_videos(trained, tmp_path):
     (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
     (["--learning-rate", "nan"], "--learning-rate must be a finite number in float32's range (to 3.4e38), not nan"),
     (["--clip-range", "1e39"], "--clip-range must be a finite number in float32's range (to 3.4e38), not 1e+39"),
+    (["--frame-skip", "100000"], "--max-episode-frames 108000 leaves no room to play after 30 no-ops and two steps "
+                                 "of --frame-skip 100000"),  # it named --max-episode-frames alone
     (["--max-episode-frames", "2147483648"], "--max-episode-frames must be at most 2**31 - 1"),  # a worker's traceback
     (["--total-timesteps", "lots"], "invalid integer value: 'lots'"),
     (["--total-timesteps", "100"], "less than one batch"),

@@ -473,7 +473,7 @@ def test_bad_input_through_the_command_line(run, args, message):
     (["--eval", "a.msgpack", "--resume", "b.msgpack"], "cannot be used together"),
     (["--num-steps", "2.5"], "invalid integer value: '2.5'"),  # an integer's flag takes no fraction
     (["--env", "Breakout", "--max-episode-frames", "38"], "--max-episode-frames 38 leaves no room to play after 30 "
-                                                           "no-ops"),
+                                                           "no-ops and two steps of --frame-skip 4"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message, capsys):
     try:
