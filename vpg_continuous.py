@@ -1742,7 +1742,7 @@ def log_update(writer, step: int, stats: dict[str, float], finished_episodes: li
 
 
 class Aborted(KeyboardInterrupt):
-    """A signal that ends the run at once: why, in words, and the exit status it gives."""
+    """A signal that ends the run at once: its words say why, its `status` is the exit status it gives."""
 
     def __init__(self, why: str, signum: int):
         super().__init__(why)
