@@ -1683,9 +1683,8 @@ def restore_model(model: nn.Module, checkpoint: dict, path: str) -> None:
     try:
         model.load_state_dict(checkpoint["model"])
     except RuntimeError as error:
-        first = str(error).strip().splitlines()
-        raise ConfigError(f"checkpoint {path} holds a different network: "
-                          f"{' '.join(' '.join(first[1:2] or first).split())}") from None
+        lines = str(error).strip().splitlines()  # torch's heading, then a line (a tab first) per difference
+        raise ConfigError(f"checkpoint {path} holds a different network: {(lines[1:2] or lines)[0].strip()}") from None
     if not all(torch.isfinite(parameter).all() for parameter in model.parameters()):
         raise ConfigError(f"checkpoint {path} holds non-finite weights: it was written after its run diverged")
 

@@ -1632,9 +1632,9 @@ def restore_networks(networks: dict[str, nn.Module], checkpoint: dict, path: str
         try:
             network.load_state_dict(checkpoint[name])
         except RuntimeError as error:
-            first = str(error).strip().splitlines()
+            lines = str(error).strip().splitlines()  # torch's heading, then a line (a tab first) per difference
             raise ConfigError(f"checkpoint {path} holds a different {name} network: "
-                              f"{' '.join(' '.join(first[1:2] or first).split())}") from None
+                              f"{(lines[1:2] or lines)[0].strip()}") from None
         if not all(torch.isfinite(parameter).all() for parameter in network.parameters()):
             raise ConfigError(f"checkpoint {path} holds non-finite {name} weights: it was written after "
                               f"its run diverged")
