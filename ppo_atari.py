@@ -95,6 +95,9 @@ from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+if __name__ == "__main__":  # a Ctrl-C while the libraries below load: exit status 130 at once, not a traceback
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
+
 import ale_py
 import cv2
 import gymnasium as gym
@@ -1658,7 +1661,7 @@ def run_dir_lock(run_dir: Path):
 def load_checkpoint(path: str) -> dict:
     """Read a checkpoint of this script (tensors and plain data only), or raise a `ConfigError`."""
     if not Path(path).is_file():
-        raise ConfigError(f"checkpoint {path} {'is not a file' if Path(path).exists() else 'does not exist'}")
+        raise ConfigError(f"checkpoint {path or repr(path)} {'is not a file' if Path(path).exists() else 'does not exist'}")
     try:
         with warnings.catch_warnings(action="ignore"):  # torch warns of a pickle of another protocol, then refuses it
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)

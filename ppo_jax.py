@@ -128,6 +128,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, NamedTuple
 
+if __name__ == "__main__":  # a Ctrl-C while the libraries below load: exit status 130 at once, not a traceback
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
+
 import flax.linen as nn
 import flax.serialization
 import gymnasium as gym
@@ -1662,7 +1665,7 @@ def load_checkpoint(path: str) -> dict:
     they are restored, by `restore_tree`.)
     """
     if not Path(path).is_file():
-        raise ConfigError(f"checkpoint {path} {'is not a file' if Path(path).exists() else 'does not exist'}")
+        raise ConfigError(f"checkpoint {path or repr(path)} {'is not a file' if Path(path).exists() else 'does not exist'}")
     try:
         checkpoint = flax.serialization.msgpack_restore(Path(path).read_bytes())
     except Exception as error:  # msgpack raises many kinds for a damaged file
@@ -2555,6 +2558,7 @@ def describe_devices(mesh: Mesh, num_seeds: int) -> str:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the libraries are loaded: Ctrl-C is Python's again
     sys.stdout, sys.stderr = (Terminal(stream) if stream.isatty() else stream for stream in (sys.stdout, sys.stderr))
     status = main()
     # Nothing is left to stop while Python and JAX shut down. A handler that does nothing first, so

@@ -142,3 +142,20 @@ def hang_up(process: subprocess.Popen, window: int, once_shown: str = "step ", s
         return process.wait(timeout=seconds)
     finally:
         process.kill()
+
+
+def interrupted_while_loading(argv: list[str], directory: Path) -> subprocess.CompletedProcess:
+    """`argv`, a script run as from the command line, sent Ctrl-C while its libraries load. They load
+    in about a second; here numpy, which each script's libraries import first, is a package (written
+    into `directory`, first on the path) that says it is loading, then waits, so the press lands then."""
+    (directory / "numpy").mkdir()
+    (directory / "numpy" / "__init__.py").write_text(
+        "import sys, time\nprint('loading', file=sys.stderr, flush=True)\ntime.sleep(120)\n")
+    process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(directory)})
+    try:
+        assert process.stderr.readline() == "loading\n"
+        process.send_signal(signal.SIGINT)
+        _, errors = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    return subprocess.CompletedProcess(argv, process.returncode, "", errors)

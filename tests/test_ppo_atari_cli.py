@@ -152,6 +152,7 @@ def test_eval_plays_whole_games_and_writes_videos(trained, tmp_path):
     (["--device", "tpu"], "invalid choice: 'tpu'"),
     (["--eval", "missing.pt"], "checkpoint missing.pt does not exist"),
     (["--resume", "."], "checkpoint . is not a file"),
+    (["--eval", ""], "checkpoint '' is not a file"),
     (["--eval", "a.pt", "--resume", "b.pt"], "cannot be used together"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message, capsys):

@@ -23,7 +23,7 @@ import ppo_jax
 from conftest import ROOT
 from ppo_jax_runs import SCRIPT, Watched, environment, patched, read_checkpoint, run  # noqa: F401 (fixtures)
 from ppo_jax_runs import note_dispatches
-from processes import hang_up, on_a_terminal
+from processes import hang_up, interrupted_while_loading, on_a_terminal
 
 
 def ppo_jax_run(environment, command, *args, timeout=300):
@@ -190,7 +190,7 @@ def test_a_checkpoint_of_non_finite_weights_exits_2(small, capsys, tmp_path):
 
 
 def test_an_empty_checkpoint_path_exits_2(capsys):
-    assert main_error(capsys, "--resume", "").endswith("checkpoint  is not a file")  # it was a traceback
+    assert main_error(capsys, "--resume", "").endswith("checkpoint '' is not a file")  # it was a traceback, then a double space
 
 
 @pytest.mark.parametrize("field", ["env_id", "update", "global_step", "config", "config.num_envs",
@@ -452,6 +452,11 @@ HOLD = "import time\n"
 
 def assert_clean(watched):
     assert "Traceback" not in watched.stderr and "Exception ignored" not in watched.stderr, watched.stderr
+
+
+def test_ctrl_c_while_the_libraries_load_is_exit_130_without_a_traceback(tmp_path):
+    result = interrupted_while_loading([sys.executable, SCRIPT, "--help"], tmp_path)
+    assert (result.returncode, result.stderr) == (130, ""), result.stderr  # it was Python's traceback
 
 
 def test_ctrl_c_while_compiling_exits_at_once(environment, tmp_path):

@@ -18,7 +18,7 @@ import typing
 import pytest
 import torch
 
-from processes import alive, hang_up, on_a_terminal, process_tree, read_until
+from processes import alive, hang_up, interrupted_while_loading, on_a_terminal, process_tree, read_until
 from torch_scripts import IDS, ROOT, SCRIPTS, Script
 
 
@@ -175,6 +175,11 @@ def test_ctrl_c_held_down_while_the_run_closes_changes_nothing(script, tmp_path)
     finally:
         process.kill()
     assert process.returncode == 130 and not rest.strip(), rest
+
+
+def test_ctrl_c_while_the_libraries_load_is_exit_130_without_a_traceback(script, tmp_path):
+    result = interrupted_while_loading([sys.executable, script.path, "--help"], tmp_path)
+    assert (result.returncode, result.stderr) == (130, ""), result.stderr  # it was Python's traceback
 
 
 @pytest.mark.parametrize("presses", [1, 2])

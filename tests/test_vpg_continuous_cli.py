@@ -244,7 +244,7 @@ def test_no_opengl_at_all_names_what_to_install(monkeypatch):
     (["--device", "tpu"], "invalid choice: 'tpu'"),
     (["--eval", "missing.pt"], "checkpoint missing.pt does not exist"),
     (["--resume", "."], "checkpoint . is not a file"),
-    (["--resume", ""], "checkpoint  is not a file"),  # it was a traceback
+    (["--resume", ""], "checkpoint '' is not a file"),  # it was a traceback, then a double space
     (["--eval", "a.pt", "--resume", "b.pt"], "cannot be used together"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message, capsys):
