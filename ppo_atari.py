@@ -408,8 +408,11 @@ class ActorCritic(nn.Module):
     """A torso shared by a policy head and a value head; `make_model` below builds the one we use.
 
     Frames arrive as `uint8`, four times fewer bytes to move than float32, and are scaled to [0, 1]
-    on the device, where the network runs.
+    on the device, where the network runs, in `frames_dtype`: float32 here, bfloat16 where Part 2's
+    `TunedActorCritic` runs the torso in it.
     """
+
+    frames_dtype = torch.float32
 
     def __init__(self, torso: nn.Module, policy: nn.Module, value: nn.Module):
         super().__init__()
@@ -422,7 +425,7 @@ class ActorCritic(nn.Module):
 
     def features(self, obs: torch.Tensor) -> torch.Tensor:
         """What the torso makes of the frames, scaled from bytes to [0, 1] first."""
-        return self.torso(obs.float() * (1.0 / 255.0))
+        return self.torso(obs.to(self.frames_dtype) * (1.0 / 255.0))
 
 
 def make_model(observation_shape: tuple[int, ...], n_actions: int) -> ActorCritic:
@@ -495,14 +498,19 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.
     return advantages, advantages + values
 
 
-def normalize_advantages(advantages: torch.Tensor) -> torch.Tensor:
+def normalize_advantages(advantages: torch.Tensor, mean: torch.Tensor | None = None,
+                         std: torch.Tensor | None = None) -> torch.Tensor:
     r"""The advantages of a minibatch, standardised: $\hat A_i \leftarrow (\hat A_i - \mu) / (\sigma + 10^{-8})$.
 
     $\mu$ is their mean over the minibatch and $\sigma$ their (unbiased) standard deviation. The size
     of the step then no longer depends on the scale of the rewards, and about half the actions are
-    pushed up, half down. The $10^{-8}$ keeps a minibatch of equal advantages finite.
+    pushed up, half down. The $10^{-8}$ keeps a minibatch of equal advantages finite. Part 4 passes
+    `mean` and `std` of the minibatches of all ranks together (a fork that standardises by other
+    statistics computes them there too).
     """
-    return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    mean = advantages.mean() if mean is None else mean
+    std = advantages.std() if std is None else std
+    return (advantages - mean) / (std + 1e-8)
 
 
 # ### The clipped objective
@@ -865,8 +873,9 @@ class Trainer:
     # `Trainer(config, envs, device).train(print)`. A real run also times the two calls of the loop
     # and runs on the machine's fastest settings, in Part 2's `FastSamplingTrainer` (which wraps
     # `collect_rollout`, `sample_actions` and `minibatch_step`, and overrides `build_model`,
-    # `host_array` and `frame_array`) and Part 3's `RunTrainer` (`collect_rollout` and
-    # `update_policy`), by name: a fork that renames them renames them there too.
+    # `host_array` and `frame_array`; its network wraps `ActorCritic.features`) and Part 3's
+    # `RunTrainer` (`collect_rollout` and `update_policy`), by name: a fork that renames them renames
+    # them there too. `--eval` and `load_policy` draw with `sample_actions`.
 
     def train(self, after_update: typing.Callable[[dict[str, float]], None] = lambda stats: None) -> None:
         """Update until `total_timesteps` agent steps are played, handing each update's statistics to `after_update`."""
@@ -1104,13 +1113,13 @@ class Workers:
 # that side fast on the machine at hand; it changes nothing that Part 1 computes beyond the rounding
 # of floating point.
 #
-# * The network is `TunedActorCritic`: Part 1's layers in the `channels_last` layout that the
-#   convolution libraries prefer, and its torso in bfloat16 where `use_bf16` finds it pays (Part 3's
-#   `--precision` decides). On a CPU the rollout stores its frames in that layout too, so that the
-#   update's minibatches need no transposing. On CUDA the frames stay as the games give them,
-#   channels first, and the GPU changes their layout: on the host, the transposing copy took most of
-#   the main process's own time in a step (201 microseconds for 8 games, against 30 without it, on a
-#   2-core EPYC, the network's call aside; `benchmarks/throughput.py --part host`).
+# * The network is `TunedActorCritic`: Part 1's layers and `features` in the `channels_last` layout
+#   that the convolution libraries prefer, and its torso in bfloat16 where `use_bf16` finds it pays
+#   (Part 3's `--precision` decides). On a CPU the rollout stores its frames in that layout too, so
+#   that the update's minibatches need no transposing. On CUDA the frames stay as the games give
+#   them, channels first, and the GPU changes their layout: on the host, the transposing copy took
+#   most of the main process's own time in a step (201 microseconds for 8 games, against 30 without
+#   it, on a 2-core EPYC, the network's call aside; `benchmarks/throughput.py --part host`).
 # * While the games are sampled, torch computes on one thread. A batch of 8 observations gains
 #   little from more, and the threads of a parallel section keep spinning for a while after it ends,
 #   on the very cores the workers need to step their games: sampling ran 25% slower on a CPU, and on
@@ -1161,16 +1170,17 @@ class TunedActorCritic(ActorCritic):
 
     def __init__(self, model: ActorCritic, bf16: bool):
         super().__init__(model.torso, model.policy, model.value)
-        self.bf16 = bf16
+        self.bf16, self.frames_dtype = bf16, torch.bfloat16 if bf16 else torch.float32
         self.to(memory_format=torch.channels_last)
 
     def features(self, obs: torch.Tensor) -> torch.Tensor:
-        # The layout changes on the bytes, then one pass scales them in the torso's own precision.
+        # Part 1's, with the layout changed on the bytes, the fewest to move, and a bfloat16 torso
+        # under autocast; the heads read float32.
         x = obs.contiguous(memory_format=torch.channels_last)
         if not self.bf16:
-            return self.torso(x * (1.0 / 255.0))
+            return super().features(x)
         with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
-            return self.torso(x.to(torch.bfloat16).mul_(1.0 / 255.0)).float()  # the heads read float32
+            return super().features(x).float()
 
 
 def on_side_stream(call: typing.Callable[[], typing.Any]) -> typing.Any:
@@ -2115,13 +2125,15 @@ class Policy:
         """A game of the checkpoint's Atari game, preprocessed as in training; `reset()` it first."""
         return make_env(self.env_id, seed, game_options(self.config))
 
+    sample_actions = Trainer.sample_actions  # Part 1's draw, which reads only `self.model`: an edit of it reaches here
+
     @torch.inference_mode()
     def act(self, observation: np.ndarray, deterministic: bool = False) -> int | np.ndarray:
         """The action for one observation (an `int`), or for a batch of them (an array)."""
         frames = torch.as_tensor(np.asarray(observation), device=self.device)
         one = frames.shape == self.observation_shape
-        logits, _ = self.model(frames.unsqueeze(0) if one else frames)
-        actions = logits.argmax(-1) if deterministic else Categorical(logits=logits, validate_args=False).sample()
+        frames = frames.unsqueeze(0) if one else frames
+        actions = self.model(frames)[0].argmax(-1) if deterministic else self.sample_actions(frames)[0]
         actions = actions.cpu().numpy()
         return int(actions[0]) if one else actions
 
@@ -2480,7 +2492,7 @@ class DataParallelTrainer(Trainer):
 
     @property
     def steps_per_update(self) -> int:
-        return self.config.batch_size * self.ranks.size
+        return super().steps_per_update * self.ranks.size
 
     def normalize_advantages(self, advantages: torch.Tensor) -> torch.Tensor:
         r"""`normalize_advantages` with the mean and standard deviation of the combined minibatch.
@@ -2493,7 +2505,7 @@ class DataParallelTrainer(Trainer):
         total, squares, count = self.ranks.sum(sums)
         mean = total / count
         variance = (squares - count * mean ** 2) / (count - 1)
-        return (advantages - mean) / (variance.clamp(min=0).sqrt() + 1e-8)
+        return normalize_advantages(advantages, mean, variance.clamp(min=0).sqrt())
 
     def compute_gradients(self, loss: torch.Tensor) -> None:
         super().compute_gradients(loss)

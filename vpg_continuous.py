@@ -506,14 +506,19 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.
     return advantages, advantages + values
 
 
-def normalize_advantages(advantages: torch.Tensor) -> torch.Tensor:
+def normalize_advantages(advantages: torch.Tensor, mean: torch.Tensor | None = None,
+                         std: torch.Tensor | None = None) -> torch.Tensor:
     r"""The advantages of a batch, standardised: $\hat A_i \leftarrow (\hat A_i - \mu) / (\sigma + 10^{-8})$.
 
     $\mu$ is their mean over the batch and $\sigma$ their (unbiased) standard deviation. The size of
     the policy's step then no longer depends on the scale of the rewards, and about half the actions
-    are pushed up, half down. The $10^{-8}$ keeps a batch of equal advantages finite.
+    are pushed up, half down. The $10^{-8}$ keeps a batch of equal advantages finite. Part 4 passes
+    `mean` and `std` of the batches of all ranks together (a fork that standardises by other
+    statistics computes them there too).
     """
-    return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    mean = advantages.mean() if mean is None else mean
+    std = advantages.std() if std is None else std
+    return (advantages - mean) / (std + 1e-8)
 
 
 # ### The policy gradient
@@ -2544,9 +2549,8 @@ class SharedRunningMeanStd(RunningMeanStd):
         return shared
 
     def update(self, batch: np.ndarray) -> None:
-        batch_stats = RunningMeanStd.of(batch)
-        self.merge(batch_stats)
-        self.fresh.merge(batch_stats)
+        super().update(batch)
+        self.fresh.update(batch)
 
     def fresh_vector(self) -> np.ndarray:
         """`fresh` as one float64 vector (count, mean, variance), to send to the other ranks."""
@@ -2594,7 +2598,7 @@ class DataParallelTrainer(Trainer):
 
     @property
     def steps_per_update(self) -> int:
-        return self.config.batch_size * self.ranks.size
+        return super().steps_per_update * self.ranks.size
 
     def collect_rollout(self) -> Rollout:
         rollout = super().collect_rollout()
@@ -2612,7 +2616,7 @@ class DataParallelTrainer(Trainer):
         total, squares, count = self.ranks.sum(sums)
         mean = total / count
         variance = (squares - count * mean ** 2) / (count - 1)
-        return (advantages - mean) / (variance.clamp(min=0).sqrt() + 1e-8)
+        return normalize_advantages(advantages, mean, variance.clamp(min=0).sqrt())
 
     def compute_gradients(self, loss: torch.Tensor, parameters: list[nn.Parameter]) -> None:
         super().compute_gradients(loss, parameters)
