@@ -1131,6 +1131,10 @@ class Workers:
 #   is replayed from another graph, for the same reason (an update of 8 games took 30 ms instead of
 #   about 90 ms on an H200). With both graphs, training on an H200 ran at 0.78 of the workers' speed
 #   alone at 8 games and 0.89 at 32 (0.62 and 0.82 with the update's steps launched one by one).
+#   A graph replays the kernels it recorded, with the numbers they read then: a fork whose
+#   `sample_actions` or `minibatch_step` reads a Python number that changes from update to update
+#   (an entropy coefficient scheduled from `self.update`, say) passes it as a tensor, as `fixed_step`
+#   does the clip range and the learning rate, or sets `cuda_graph` or `cuda_graph_update` to False.
 #
 # Double-buffered sampling, half of the games stepping while the network chooses for the other
 # half, was tried and measured slower on both kinds of machine: 1,047 steps/s against 1,307 in turns
