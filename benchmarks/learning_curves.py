@@ -29,7 +29,7 @@ writes, per task, under `benchmarks/results/`:
 Anything after `--` is passed on to the script, after the task's own flags. Step counts may be
 written `2M`, `500k`, `1e6` or `2_000_000`. A mistake in the input is one line on stderr and exit
 status 2; a script that fails makes this exit 1, and Ctrl-C 130 (the run saves its checkpoint and
-the same command resumes it).
+the same command resumes it), as do SIGTERM and a hang-up (the terminal closed) while a run trains.
 
 ## The runs
 
@@ -268,7 +268,7 @@ class RunError(Exception):
 
 
 class Interrupted(Exception):
-    """Ctrl-C or SIGTERM: the script under way saved its checkpoint; exit status 130."""
+    """Ctrl-C, SIGTERM or SIGHUP: the script under way saved its checkpoint; exit status 130."""
 
 
 def parse_steps(text: str) -> int:
@@ -398,12 +398,16 @@ def run_sitting(command: list[str], stop_at: int | None, log: Path, label: str,
     with log.open("a") as log_file:
         child = Child(process, master, log_file)
         RUNNING[:] = [child]
-        previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # SIGHUP too, when the terminal goes: the script, in a session of its own, would never hear it
+        # and would train on alone, past the budget. Under `nohup`, which ignores it, it stays ignored.
+        hangup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN else []
+        previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM, *hangup)}
 
         def show(line: str) -> None:
             nonlocal last_shown, shown_at
             print(line, file=log_file, flush=True)
-            print(f"[{label}] {line}", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):  # a terminal that is gone: the log still has the line
+                print(f"[{label}] {line}", file=sys.stderr, flush=True)
             last_shown, shown_at = line, time.monotonic()
 
         show("$ " + " ".join(command))
@@ -603,7 +607,9 @@ def records_of(task: Task, runs: Path, seeds: typing.Iterable[int]) -> dict[str,
                 records[f"seed_{seed}_agent_{agent.name.split('-')[1]}"] = read_record(agent, task.schedule)
         elif run_dir.is_dir():
             records[f"seed_{seed}"] = read_record(run_dir, task.schedule)
-    return records
+    # A run that has logged nothing yet (stopped while it started) is no curve: without one, the CSV
+    # already there is drawn rather than overwritten by empty columns.
+    return {name: record for name, record in records.items() if record.scores or record.seconds}
 
 
 # ## The curve and its CSV
@@ -1302,6 +1308,10 @@ def resolve_task(args: argparse.Namespace, extra: list[str]) -> Task:
     return adjusted(task, args, extra)
 
 
+AGENT_EVENTS = 16
+"""The agents of a ppo_jax.py run with event files of their own (its `AGENT_WRITERS`): the curves read them."""
+
+
 def adjusted(task: Task, args: argparse.Namespace, extra: list[str]) -> Task:
     """A task with the schedule, budget, seeds and flags given on the command line, checked."""
     schedule = args.schedule or task.schedule
@@ -1315,6 +1325,10 @@ def adjusted(task: Task, args: argparse.Namespace, extra: list[str]) -> Task:
         raise UsageError(f"--seeds must be distinct and not negative, not {' '.join(map(str, seeds))}")
     if args.window < 1 or args.points < 1:
         raise UsageError(f"--window and --points must be positive, not {args.window} and {args.points}")
+    agents = [value for flag, value in zip(task.flags, task.flags[1:]) if flag == "--num-seeds"][-1:]
+    if task.script == "ppo_jax.py" and agents and agents[0].isdigit() and int(agents[0]) > AGENT_EVENTS:
+        raise UsageError(f"--num-seeds {agents[0]}: ppo_jax.py writes the events of its first {AGENT_EVENTS} "
+                         f"agents alone, the curves' source; use at most {AGENT_EVENTS} and more --seeds")
     return task
 
 

@@ -3,6 +3,7 @@ last scores, resumed sittings, ppo_jax.py's agents), its CSV, its plots, bad inp
 stopped at its budget by SIGINT, then resumed past it."""
 
 import importlib.util
+import signal
 import subprocess
 import sys
 
@@ -258,3 +259,58 @@ def test_a_real_run_stops_at_its_budget_and_resumes_past_it(tmp_path):
     assert third.returncode == 0, third.stderr
     assert "already at step 4,096 (budget 4,096): skipped" in third.stderr
     assert len(list((runs / "pendulum" / "seed-1").glob("events.out.*"))) == 2
+
+
+def test_a_run_that_logged_nothing_leaves_the_csv_there_as_it_is(tmp_path, capsys):
+    # Stopped while it started, a run's directory holds its log alone: `--plot-only` once drew it as
+    # an empty curve over the CSV of real runs.
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    write_sitting(runs / "halfcheetah" / "seed-1", counting_updates(1, 10))
+    argv = ["halfcheetah", "--seeds", "1", "--budget", "1000", "--plot-only", "--runs", str(runs), "--results", str(results)]
+    assert curves.main(argv) == 0
+    written = (results / "halfcheetah.csv").read_text()
+    assert "seed_1" in written and ",," not in written.splitlines()[-1]
+    for path in (runs / "halfcheetah" / "seed-1").iterdir():
+        path.unlink()
+    (runs / "halfcheetah" / "seed-1" / "learning_curves.log").write_text("$ python vpg_continuous.py ...\n")
+    capsys.readouterr()
+    assert curves.main(argv) == 0
+    assert "no runs of halfcheetah" in capsys.readouterr().err
+    assert (results / "halfcheetah.csv").read_text() == written
+
+
+def test_more_agents_than_ppo_jax_writes_events_for_are_refused(tmp_path, capsys):
+    import ppo_jax
+
+    assert curves.AGENT_EVENTS == ppo_jax.AGENT_WRITERS
+    argv = ["--runs", str(tmp_path), "--results", str(tmp_path), "breakout-jax", "--", "--num-seeds", "20"]
+    assert curves.main(argv) == 2
+    assert "--num-seeds 20: ppo_jax.py writes the events of its first 16 agents alone" in capsys.readouterr().err
+
+
+HANGS_UP = """import signal, sys, time
+sys.path.insert(0, {benchmarks!r})
+import learning_curves
+child = ("import signal, sys, time\\n"
+         "signal.signal(signal.SIGINT, lambda *_: (print('saved', flush=True), sys.exit(130)))\\n"
+         "print('ready', flush=True)\\n"
+         "time.sleep(60)\\n")
+print(learning_curves.run_sitting([sys.executable, "-c", child], None, learning_curves.Path({log!r}), "x"), flush=True)
+"""
+
+
+def test_a_hang_up_stops_the_script_under_way_rather_than_leaving_it_alone(tmp_path):
+    # The script runs in a session of its own, so a terminal that goes hangs up this process alone:
+    # it asks the script to save and stop, as for Ctrl-C, rather than dying and leaving it to train on.
+    code = HANGS_UP.format(benchmarks=str(ROOT / "benchmarks"), log=str(tmp_path / "log"))
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stderr:
+            if "[x] ready" in line:
+                break
+        process.send_signal(signal.SIGHUP)
+        out, _ = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 0 and out.strip() == "(130, False, True)", out
+    assert "saved" in (tmp_path / "log").read_text()
