@@ -289,6 +289,7 @@ def test_more_agents_than_ppo_jax_writes_events_for_are_refused(tmp_path, capsys
 
 
 HANGS_UP = """import signal, sys, time
+signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a shell starts it, whatever the tests run under (nohup)
 sys.path.insert(0, {benchmarks!r})
 import learning_curves
 child = ("import signal, sys, time\\n"
