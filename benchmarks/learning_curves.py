@@ -4,9 +4,13 @@ A curve is made the way a user would make it: the script itself runs through its
 process per seed, with the schedule of a full run (`--total-timesteps`, so that the learning rate
 and the clip range anneal as they would over the whole run) and is stopped at a budget of steps.
 A run stopped at the budget keeps its checkpoint, so a later call with a larger budget resumes it:
-a 10M-step curve can be built over several sittings, on several machines, one chunk at a time, and
-it is the same curve as one run's. This file then reads the TensorBoard events the runs leave and
-writes, per task, under `benchmarks/results/`:
+a 10M-step curve can be built over several sittings, on several machines, one chunk at a time. For
+`ppo_jax.py` on a gymnax env it is the same curve as one run's, bit for bit: the environments' state
+is in its checkpoint. ALE's games (in `ppo_atari.py` and in `ppo_jax.py`'s Atari path) and
+`vpg_continuous.py`'s envs restart at each sitting, their state not saved: the weights, the
+optimizer and the schedule go on, but from a sitting's first step the episodes are not the ones an
+unbroken run would have played, and the curve differs from its curve there. This file then reads the TensorBoard events the runs
+leave and writes, per task, under `benchmarks/results/`:
 
 - `<task>.csv`: the curve, one row per point of a regular grid of steps (the format below);
 - `<task>.png`: the score against steps, the mean over the seeds with their spread (min to max)
@@ -71,8 +75,8 @@ last lines of its log) and submits only the runs that have no job under way. A j
 its run's end leaves the run's checkpoint: before its time limit SLURM sends SIGUSR2 (`--signal`,
 90 s ahead), and the job stops the script, waits for its checkpoint and is requeued; at the limit
 itself, on `scancel` or a preemption, SIGTERM reaches the script, which saves and exits, and the
-waiting command submits the run again. Either way the run resumes from its checkpoint, and its curve
-is one run's curve. A run whose job ended without getting it any further is failed, and submitted
+waiting command submits the run again. Either way the run resumes from its checkpoint (with its
+games begun afresh, as above, where they are not in it). A run whose job ended without getting it any further is failed, and submitted
 again only with `--retry-failed`. `benchmarks/README.md` shows a run on a single-node SLURM.
 
 ## The Atari suite
@@ -127,7 +131,8 @@ took to reach that step.
     step,seed_1,seed_2,mean,seconds_seed_1,seconds_seed_2
     20000,0.6,1.2,0.9,96.3,95.1
 
-- `step`: the point of the grid, `budget * i / --points` for i = 1 .. `--points` (100);
+- `step`: the point of the grid, `budget * i / --points` for i = 1 .. `--points` (100), rounded, and
+  at most one point per step (more points than steps give every step from 1 to the budget);
 - `seed_<s>` (one agent per process) or `seed_<s>_agent_<i>` (several, ppo_jax.py's
   `--num-seeds`): the score of each curve at that step, as above, rounded to 3 decimals; empty
   where it has none;
@@ -149,6 +154,7 @@ import collections
 import contextlib
 import csv
 import difflib
+import fcntl
 import getpass
 import io
 import json
@@ -166,6 +172,9 @@ import time
 import typing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+if __name__ == "__main__":  # a Ctrl-C while the libraries below load: exit status 130 at once, not a traceback
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
 
 import matplotlib
 
@@ -626,7 +635,9 @@ class Curve:
 
 
 def grid(budget: int, points: int) -> list[int]:
-    return sorted({round(budget * i / points) for i in range(1, points + 1)})
+    """`points` steps evenly spaced up to the budget, rounded; at most one per step, none at step 0
+    (more points than steps gives every step from 1 to the budget)."""
+    return sorted({max(1, round(budget * i / points)) for i in range(1, points + 1)})
 
 
 def mean_of(scores: list[float | None], seconds: list[float | None]) -> float | None:
@@ -661,8 +672,11 @@ def write_csv(curve: Curve, path: Path) -> None:
 
 
 def read_csv(path: Path) -> Curve:
-    with path.open(newline="") as file:
-        rows = list(csv.reader(file))
+    try:
+        with path.open(newline="") as file:
+            rows = list(csv.reader(file))
+    except (ValueError, csv.Error):  # not UTF-8 text, or a NUL byte in it
+        rows = []
     header = rows[0] if rows else []
     if len(header) < 3 or header[0] != "step" or "mean" not in header:
         raise UsageError(f"{path} is not a learning-curve CSV (its header should be step,seed_<s>...,mean,...)")
@@ -674,6 +688,14 @@ def read_csv(path: Path) -> Curve:
         return float(text) if text else None
 
     body = rows[1:]
+    for line, row in enumerate(body, start=2):
+        try:
+            if len(row) != len(header):
+                raise ValueError
+            int(row[0]), [float(text) for text in row[1:] if text]
+        except ValueError:
+            raise UsageError(f"{path}, line {line}: damaged (cut short, or a cell that is not a number); "
+                             "remove it, or remake it from the runs") from None
     column = {name: index for index, name in enumerate(header)}
     return Curve([int(row[0]) for row in body],
                  {name: [value(row[column[name]]) for row in body] for name in names},
@@ -774,7 +796,17 @@ def jobs_folder(task: Task, runs: Path) -> Path:
 
 def read_job_record(run_dir: Path) -> dict | None:
     path = run_dir / JOB_RECORD
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        if not (isinstance(record, dict) and record.get("cluster") in ("slurm", "local")
+                and isinstance(record.get("job_id"), str) and isinstance(record.get("step"), int)):
+            raise ValueError
+    except ValueError:  # JSON's errors, and a file that is not UTF-8, are ValueErrors
+        raise UsageError(f"{path} is damaged: once no job of this run is queued or running, remove it, "
+                         "and the same command submits the run again") from None
+    return record
 
 
 def live_jobs(records: list[dict]) -> dict[str, str]:
@@ -854,6 +886,34 @@ def run_state(task: Task, seed: int, runs: Path, live: dict[str, str]) -> RunSta
     return RunState(task, seed, "stopped", step, record["job_id"])
 
 
+def check_cpus_per_job(args: argparse.Namespace) -> None:
+    """Refuse jobs larger than every node that could run them: SLURM would leave them queued for ever
+    (its reason, `PartitionConfig`, shown by squeue alone). On SLURM the nodes' sizes are sinfo's, when
+    it answers; else sbatch is left to judge."""
+    if args.cluster == "local":
+        available, where = os.cpu_count() or 1, "this machine has"
+    else:
+        partition = args.partition or dict(args.slurm_arg).get("partition")
+        try:
+            listing = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%P %c"], capture_output=True,
+                                     text=True, timeout=60).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return
+        sizes = collections.defaultdict(int)  # the largest node of each partition, the default's as ""
+        for line in listing.splitlines():
+            name, _, cpus = line.strip().partition(" ")
+            if cpus.isdigit():
+                for key in [name.rstrip("*")] + ([""] if name.endswith("*") else []):
+                    sizes[key] = max(sizes[key], int(cpus))
+        available = sizes.get(partition or "")
+        if available is None:  # a partition sinfo does not know: sbatch says so
+            return
+        where = f"the largest node of {f'partition {partition}' if partition else 'the default partition'} has"
+    if args.cpus_per_job > available:
+        raise UsageError(f"--cpus-per-job {args.cpus_per_job}: {where} {available} CPUs; ask for at most that "
+                         "(on SLURM a larger job waits in the queue for ever)")
+
+
 def make_executor(args: argparse.Namespace, task: Task, runs: Path):
     """A submitit executor for a task's jobs, with the resources asked for."""
     import submitit
@@ -883,30 +943,50 @@ def job_class() -> type:
     return learning_curves.RunJob
 
 
-def submit(executor, state: RunState, runs: Path, cluster: str) -> str:
-    """Submit a run's job and record it in its run dir, before anything else can ask about it."""
+def submit(executor, state: RunState, runs: Path, cluster: str) -> tuple[str, bool]:
+    """Submit a run's job and record it in its run dir, before anything else can ask about it. The
+    job's id, and whether this submitted it (False: another command did, since `state` was read)."""
     task = state.task
     run_dir = run_dir_of(task, state.seed, runs)
     run_dir.mkdir(parents=True, exist_ok=True)
     from submitit.core.utils import FailedJobError
 
-    try:
-        # submitit prints sbatch's complaint before raising it: it is said once, in the error below.
-        with contextlib.redirect_stderr(io.StringIO()):
-            job = executor.submit(job_class()(task.name, task.script, task.env, task.schedule, task.budget,
-                                              task.flags, state.seed, str(runs)))
-    except FailedJobError as refused:  # sbatch said no: a partition, a --slurm-arg, a limit of the cluster
-        reason = (str(refused).strip().splitlines() or ["no reason given"])[-1]
-        raise UsageError(f"the job of {state.label} was refused: {reason}") from None
-    except FileNotFoundError as missing:
-        raise UsageError(f"cannot submit the job of {state.label}: {missing.filename or missing} not found") from None
-    submitted_at = time.time()
-    record = {"cluster": cluster, "job_id": str(job.job_id), "step": state.step, "submitted_at": submitted_at,
-              "submitted": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(submitted_at))}
-    temporary = run_dir / (JOB_RECORD + ".tmp")
-    temporary.write_text(json.dumps(record) + "\n")
-    temporary.replace(run_dir / JOB_RECORD)
-    return record["job_id"]
+    # Two commands started at once for the same run both see it without a job. Each submits holding
+    # the run's lock (`flock`'s, which the system lets go of however the process ends) and reads the
+    # record again under it: the second finds the first's job there, and follows that one instead.
+    with open(run_dir / "job.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = read_job_record(run_dir)
+        if record is not None and record["job_id"] != state.job_id:
+            return record["job_id"], False
+        # submitit's local executor starts the job's controller in this terminal's process group, where
+        # a Ctrl-C reaches it too, and it died of it with a traceback. It inherits SIGINT ignored (and
+        # Python then leaves it so): the job alone takes the Ctrl-C, stops its script, which saves,
+        # and the controller ends with it.
+        ignoring = signal.signal(signal.SIGINT, signal.SIG_IGN) if cluster == "local" else None
+        try:
+            # submitit prints sbatch's complaint before raising it: it is said once, in the error below.
+            with contextlib.redirect_stderr(io.StringIO()):
+                job = executor.submit(job_class()(task.name, task.script, task.env, task.schedule, task.budget,
+                                                  task.flags, state.seed, str(runs)))
+        except FailedJobError as refused:  # sbatch said no: a partition, a --slurm-arg, a limit of the cluster
+            # sbatch's own reason, not the "Try sbatch --help" that may follow it.
+            lines = str(refused).strip().splitlines()
+            reason = ([line for line in lines if line.startswith("sbatch:")] or lines or ["no reason given"])[-1]
+            raise UsageError(f"the job of {state.label} was refused: {reason}") from None
+        except FileNotFoundError as missing:
+            raise UsageError(f"cannot submit the job of {state.label}: {missing.filename or missing} not found") \
+                from None
+        finally:
+            if ignoring is not None:
+                signal.signal(signal.SIGINT, ignoring)
+        submitted_at = time.time()
+        record = {"cluster": cluster, "job_id": str(job.job_id), "step": state.step, "submitted_at": submitted_at,
+                  "submitted": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(submitted_at))}
+        temporary = run_dir / (JOB_RECORD + ".tmp")
+        temporary.write_text(json.dumps(record) + "\n")
+        temporary.replace(run_dir / JOB_RECORD)
+    return record["job_id"], True
 
 
 def describe_state(state: RunState) -> list[str]:
@@ -946,15 +1026,21 @@ def run_on_cluster(tasks: list[Task], args: argparse.Namespace, runs: Path) -> b
                 continue
             if args.cluster is None:
                 raise UsageError(f"{state.label} has no job under way: give --cluster to submit it")
+            if not executors:
+                check_cpus_per_job(args)
             if state.task.name not in executors:
                 executors[state.task.name] = make_executor(args, state.task, runs)
             retried.add(state.label)
             before = {"new": "", "stopped": f"its job {state.job_id} stopped at step {state.step:,}: ",
                       "failed": f"failed in job {state.job_id}, tried again: "}[state.state]
-            state.job_id = submit(executors[state.task.name], state, runs, args.cluster)
+            state.job_id, submitted = submit(executors[state.task.name], state, runs, args.cluster)
             state.state, state.detail = "queued", []
-            print(f"[{state.label}] {before}submitted as job {state.job_id} ({args.cluster}), from step {state.step:,}",
-                  file=sys.stderr)
+            if submitted:
+                print(f"[{state.label}] {before}submitted as job {state.job_id} ({args.cluster}), "
+                      f"from step {state.step:,}", file=sys.stderr)
+            else:
+                print(f"[{state.label}] submitted meanwhile by another command, as job {state.job_id}",
+                      file=sys.stderr)
         # Every run with --status; while waiting, each run whose state has changed since the last look.
         counts = collections.Counter(state.state for state in states)
         changed = [state for state in states if args.status or shown.get(state.label) != (state.state, state.job_id)]
@@ -1273,6 +1359,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_writable(path: Path, flag: str) -> None:
+    """Refuse, before anything runs, a directory this could not make or write in: its nearest part that
+    exists must be a directory open to writing."""
+    existing = next(part for part in [path, *path.parents] if part.exists())
+    if not existing.is_dir():
+        raise UsageError(f"{flag} {path}: cannot write there, {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: cannot write there, {existing} is not writable")
+
+
 def slurm_arg(text: str) -> tuple[str, str]:
     """`--slurm-arg account=rl` as ("account", "rl")."""
     key, equals, value = text.partition("=")
@@ -1302,6 +1398,10 @@ def resolve_task(args: argparse.Namespace, extra: list[str]) -> Task:
             raise UsageError(f"name a task (see --list) or give {', '.join(missing)}")
         if not (ROOT / args.script).is_file():
             raise UsageError(f"no script {args.script!r} in {ROOT}")
+        # The name is a directory of the runs and the stem of the results' files: one name, no path.
+        if args.name is not None and (args.name in ("", ".", "..") or "/" in args.name or "\0" in args.name):
+            raise UsageError(f"--name {args.name!r}: a task's name names a directory and files, so it cannot "
+                             "hold a / or be empty, . or ..")
         name = args.name or f"{Path(args.script).stem}-{args.env.replace('/', '-')}"
         task = Task(name, args.script, args.env, schedule=args.schedule, budget=args.budget or args.schedule,
                     seeds=(1,), unit=UNITS.get(Path(args.script).name, "logged scores"))
@@ -1428,13 +1528,18 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("--partition, --slurm-arg, --no-wait and --retry-failed need --cluster")
         if args.cluster == "local" and (args.partition or args.slurm_arg):
             raise UsageError("--partition and --slurm-arg are SLURM's: they need --cluster slurm")
-        if min(args.time_limit, args.cpus_per_job) < 1 or args.gpus_per_job < 0 or args.poll <= 0:
-            raise UsageError("--time-limit and --cpus-per-job must be positive, --gpus-per-job not negative, "
-                             "--poll positive")
+        if min(args.time_limit, args.cpus_per_job) < 1 or args.gpus_per_job < 0:
+            raise UsageError("--time-limit and --cpus-per-job must be positive, --gpus-per-job not negative")
+        if not 0 < args.poll <= 86_400:  # NaN too fails both comparisons
+            raise UsageError(f"--poll is the seconds between two looks at the jobs: above 0 and at most a day "
+                             f"(86400), not {args.poll:g}")
         if args.plot_only and (args.cluster or args.status):
             raise UsageError("--plot-only trains nothing: it cannot be used with --cluster or --status")
         tasks, skipped = resolve_tasks(args, extra)
         runs, results = args.runs.resolve(), args.results.resolve()
+        check_writable(results, "--results")
+        if not (args.plot_only or args.status):
+            check_writable(runs, "--runs")
         if args.cluster or args.status:
             if not run_on_cluster(tasks, args, runs):
                 return 0
@@ -1473,4 +1578,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # The libraries are loaded: Ctrl-C is Python's KeyboardInterrupt again, which `main` turns into
+    # exit status 130 and a line that says where the runs stand.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(main())

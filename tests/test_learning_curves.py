@@ -13,6 +13,7 @@ from tensorboard.backend.event_processing.event_file_loader import LegacyEventFi
 from torch.utils.tensorboard import SummaryWriter
 
 from conftest import ROOT
+from processes import interrupted_while_loading
 
 SCRIPT = ROOT / "benchmarks" / "learning_curves.py"
 spec = importlib.util.spec_from_file_location("learning_curves", SCRIPT)
@@ -194,11 +195,57 @@ def test_a_task_is_drawn_beside_the_curve_of_another_script_up_to_its_own_budget
     (["--script", "vpg_continuous.py", "--env", "Pendulum-v1"], "name a task (see --list) or give --schedule"),
     (["--script", "nothing.py", "--env", "Pong", "--schedule", "1M"], "no script 'nothing.py'"),
     (["halfcheetah", "--seeds", "1", "1"], "--seeds must be distinct"),
+    # A name with a / once trained the runs first, then failed to write its CSV with a traceback.
+    (["--script", "vpg_continuous.py", "--env", "Pendulum-v1", "--schedule", "1M", "--name", "a/b", "--plot-only"],
+     "--name 'a/b': a task's name names a directory and files"),
 ])
 def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path, capsys):
     assert curves.main([*argv, "--runs", str(tmp_path), "--results", str(tmp_path)]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and error.startswith("learning_curves.py: error: ") and message in error
+
+
+def test_runs_and_results_that_cannot_be_written_are_refused_before_anything_runs(tmp_path, capsys):
+    # Under a regular file: each was a traceback, --results only once the runs had trained.
+    (tmp_path / "file").write_text("")
+    write_sitting(tmp_path / "runs" / "halfcheetah" / "seed-1", counting_updates(1, 10))
+    for flag, extra in [("--runs", []), ("--results", ["--plot-only"])]:
+        paths = {"--runs": tmp_path / "runs", "--results": tmp_path / "results", flag: tmp_path / "file" / "under"}
+        argv = ["halfcheetah", "--seeds", "1", "--budget", "1000", *extra,
+                "--runs", str(paths["--runs"]), "--results", str(paths["--results"])]
+        assert curves.main(argv) == 2
+        error = capsys.readouterr().err
+        assert error == f"learning_curves.py: error: {flag} {tmp_path / 'file' / 'under'}: cannot write there, " \
+                        f"{tmp_path / 'file'} is not a directory\n"
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_damaged_csv_is_one_line_that_names_it(tmp_path, capsys):
+    curves.write_csv(two_seeds(tmp_path), tmp_path / "task.csv")
+    whole = (tmp_path / "task.csv").read_bytes()
+    for damaged, words in [(whole[:-10], "line 6: damaged"),  # cut short: a row of fewer cells
+                           (whole.replace(b"2.5", b"x"), "line 3: damaged"),
+                           (b"\xff\xfe" + whole, "is not a learning-curve CSV")]:
+        (tmp_path / "task.csv").write_bytes(damaged)
+        with pytest.raises(curves.UsageError, match=words):
+            curves.read_csv(tmp_path / "task.csv")
+    (tmp_path / "halfcheetah.csv").write_bytes(whole[:-10])
+    argv = ["halfcheetah", "--plot-only", "--runs", str(tmp_path / "none"), "--results", str(tmp_path)]
+    assert curves.main(argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"learning_curves.py: error: {tmp_path / 'halfcheetah.csv'}, "
+                                                        "line 6: damaged (cut short, or a cell that is not a number); "
+                                                        "remove it, or remake it from the runs")
+
+
+def test_more_points_than_steps_give_every_step_once_and_never_step_0():
+    assert curves.grid(1000, 5) == [200, 400, 600, 800, 1000]
+    assert curves.grid(10, 100) == list(range(1, 11))  # it once began at step 0
+    assert curves.grid(3, 7) == [1, 2, 3]
+
+
+def test_ctrl_c_while_the_libraries_load_is_exit_130_without_a_traceback(tmp_path):
+    result = interrupted_while_loading([sys.executable, str(SCRIPT), "--help"], tmp_path)
+    assert (result.returncode, result.stderr) == (130, ""), result.stderr  # it was Python's traceback
 
 
 def test_nothing_to_draw_and_a_run_without_its_checkpoint_are_refused(tmp_path, capsys):

@@ -4,6 +4,7 @@ to the same curve as a run never stopped; a failed run said with its last lines 
 twice; how the signals of SLURM and of the local executor reach a job's script; against a real
 SLURM where one answers. Then the Atari suite's human-normalised scores, on hand-checked numbers."""
 
+import argparse
 import functools
 import importlib.util
 import json
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -260,13 +262,120 @@ def test_on_a_real_slurm_a_cancelled_job_is_submitted_again_and_resumes_to_the_s
     stop_and_compare(tmp_path, "slurm", lambda job_id: subprocess.run(["scancel", job_id], check=True), environment)
 
 
-def test_a_job_slurm_refuses_is_one_line_and_status_2(tmp_path):
+@pytest.mark.parametrize("flags, reason", [
+    (["--partition", "no-such-partition"], "sbatch: "),
+    (["--slurm-arg", "bogus=1"], "sbatch: unrecognized option '--bogus=1'"),  # it was sbatch's "Try sbatch --help"
+])
+def test_a_job_slurm_refuses_is_one_line_and_status_2(tmp_path, flags, reason):
     require_slurm()
-    result = subprocess.run(submit_command("refused", tmp_path, "slurm", "--partition", "no-such-partition"),
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(submit_command("refused", tmp_path, "slurm", *flags), capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 2
-    assert result.stderr.startswith("learning_curves.py: error: the job of refused seed 1 was refused: sbatch: ")
+    assert result.stderr.startswith(f"learning_curves.py: error: the job of refused seed 1 was refused: {reason}")
     assert result.stderr.count("\n") == 1 and not (tmp_path / "runs" / "refused" / "seed-1" / "job.json").exists()
+
+
+class Executor:
+    """A stand-in for submitit's executor: it counts the jobs submitted, or refuses them as sbatch does."""
+
+    def __init__(self, refusal=None):
+        self.submitted, self.refusal = [], refusal
+
+    def submit(self, job):
+        if self.refusal:
+            from submitit.core.utils import FailedJobError
+
+            raise FailedJobError(self.refusal)
+        self.submitted.append(job)
+        return types.SimpleNamespace(job_id=str(100 + len(self.submitted)))
+
+
+def test_sbatchs_own_reason_is_said_not_its_hint_to_try_help(tmp_path):
+    task = curves.Task("t", "ppo_jax.py", "CartPole-v1", 1000, 1000, (1,))
+    refusal = "sbatch: unrecognized option '--bogus=1'\nTry \"sbatch --help\" for more information"
+    with pytest.raises(curves.UsageError) as refused:
+        curves.submit(Executor(refusal), curves.RunState(task, 1, "new"), tmp_path, "slurm")
+    assert str(refused.value) == "the job of t seed 1 was refused: sbatch: unrecognized option '--bogus=1'"
+
+
+def test_a_run_submitted_meanwhile_by_another_command_is_not_submitted_again(tmp_path):
+    # Two commands started at once both read the run as new; the second to submit finds the first's job.
+    task = curves.Task("t", "ppo_jax.py", "CartPole-v1", 1000, 1000, (1,))
+    seen = curves.run_state(task, 1, tmp_path, {})
+    assert seen.state == "new"
+    executor = Executor()
+    assert curves.submit(executor, seen, tmp_path, "local") == ("101", True)
+    assert curves.submit(executor, seen, tmp_path, "local") == ("101", False)
+    assert len(executor.submitted) == 1
+    # A run whose job stopped is submitted again once, by whichever command comes first.
+    stopped = curves.RunState(task, 1, "stopped", 0, "101")
+    assert curves.submit(executor, stopped, tmp_path, "local") == ("102", True)
+    assert curves.submit(executor, stopped, tmp_path, "local") == ("102", False)
+    assert len(executor.submitted) == 2
+
+
+def test_jobs_larger_than_every_node_are_refused(tmp_path, monkeypatch):
+    # SLURM left a job of 64 CPUs on a node of 2 queued for ever (squeue's reason: PartitionConfig).
+    (tmp_path / "sinfo").write_text("#!/bin/sh\nprintf 'debug* 2\\nbig 32\\nbig 64\\n'\n")
+    (tmp_path / "sinfo").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+    def check(cpus, partition=None, cluster="slurm"):
+        curves.check_cpus_per_job(argparse.Namespace(cluster=cluster, partition=partition, slurm_arg=[],
+                                                     cpus_per_job=cpus))
+
+    check(2), check(64, "big"), check(1000, "no-such-partition")  # sbatch says what is wrong with that one
+    with pytest.raises(curves.UsageError, match="--cpus-per-job 3: the largest node of the default partition has 2"):
+        check(3)
+    with pytest.raises(curves.UsageError, match="--cpus-per-job 65: the largest node of partition big has 64 CPUs"):
+        check(65, "big")
+    with pytest.raises(curves.UsageError, match=f"this machine has {os.cpu_count()} CPUs"):
+        check(os.cpu_count() + 1, cluster="local")
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    check(1000)  # no sinfo: sbatch judges
+
+
+def test_a_damaged_job_record_is_one_line_and_status_2(tmp_path, capsys):
+    run_dir = tmp_path / "t" / "seed-1"
+    run_dir.mkdir(parents=True)
+    argv = ["--script", "vpg_continuous.py", "--env", "Pendulum-v1", "--schedule", "1000", "--name", "t", "--status",
+            "--runs", str(tmp_path), "--results", str(tmp_path)]
+    for damaged in ['{"cluster": "local", "job_id": "12', '{"cluster": "local"}', "[1]"]:
+        (run_dir / "job.json").write_text(damaged)
+        assert curves.main(argv) == 2
+        assert capsys.readouterr().err == (f"learning_curves.py: error: {run_dir / 'job.json'} is damaged: once no "
+                                           "job of this run is queued or running, remove it, and the same command "
+                                           "submits the run again\n")
+
+
+# A stand-in for a script, for a job of submitit's local executor: it says it is ready, then waits for
+# its stop request and says it saved.
+SAVES_ON_SIGINT = r"""
+import signal, sys, time
+signal.signal(signal.SIGINT, lambda signum, frame: (print("checkpoint saved", flush=True), sys.exit(130)))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_ctrl_c_at_the_terminal_under_the_local_executor_is_exit_130_without_a_traceback(tmp_path):
+    # A Ctrl-C reaches the terminal's whole process group, the job's controller too, which once died
+    # of it with a traceback. The job alone takes it: its script saves, and the command exits 130.
+    (tmp_path / "standin.py").write_text(SAVES_ON_SIGINT)
+    command = [sys.executable, str(SCRIPT), "--script", str(tmp_path / "standin.py"), "--env", "X", "--schedule",
+               "1000", "--name", "t", "--runs", str(tmp_path / "runs"), "--results", str(tmp_path / "results"),
+               "--cluster", "local", "--cpus-per-job", "1", "--poll", "0.2"]
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    log = tmp_path / "runs" / "t" / "seed-1" / "learning_curves.log"
+    try:
+        wait_for(lambda: log.exists() and "ready" in log.read_text().splitlines(), 120)
+        os.killpg(process.pid, signal.SIGINT)
+        _, errors = process.communicate(timeout=60)  # until the controller, which holds stderr too, has ended
+    finally:
+        process.kill()
+    assert process.returncode == 130 and "Traceback" not in errors, errors
+    assert "learning_curves.py: stopped waiting" in errors and "checkpoint saved" in log.read_text()
 
 
 # ## The Atari suite's scores
@@ -352,6 +461,10 @@ def test_the_installed_ale_py_has_every_game_of_the_57():
     (["breakout", "--cluster", "local", "--slurm-arg", "qos=high"], "they need --cluster slurm"),
     (["breakout", "--cluster", "slurm", "--time-limit", "0"], "--time-limit and --cpus-per-job must be positive"),
     (["breakout", "--plot-only", "--cluster", "slurm"], "--plot-only trains nothing"),
+    # NaN passed `--poll <= 0` and was time.sleep's traceback once the jobs were submitted, as was inf.
+    *[(["breakout", "--status", "--poll", poll], f"--poll is the seconds between two looks at the jobs: above 0 "
+                                                 f"and at most a day (86400), not {shown}")
+      for poll, shown in [("nan", "nan"), ("inf", "inf"), ("0", "0"), ("-1", "-1")]],
 ])
 def test_bad_cluster_input_is_one_line_and_status_2(argv, message, tmp_path, capsys):
     assert curves.main([*argv, "--runs", str(tmp_path), "--results", str(tmp_path)]) == 2
