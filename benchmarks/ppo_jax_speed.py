@@ -258,6 +258,8 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} must be at least {least}, not {value}")
     if args.compare is not None and not args.compare.is_file():
         parser.error(f"--compare {args.compare} is not a file")
+    if args.json is not None and (args.json.is_dir() or not os.access(args.json.parent, os.W_OK)):
+        parser.error(f"--json {args.json}: cannot write there")  # now, not after the measurements
 
     if args.measure:
         kind, value, *steps = args.measure

@@ -257,8 +257,12 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} must be at least {least}, not {value}")
     if args.baseline is not None and not args.baseline.is_file():
         parser.error(f"--baseline {args.baseline} is not a file")
+    if args.json is not None and (args.json.is_dir() or not os.access(args.json.parent, os.W_OK)):
+        parser.error(f"--json {args.json}: cannot write there")  # now, not after the measurements
     try:
         env_id = ppo_atari.resolve_env_id(args.env)
+        if args.part in ("train", "all"):
+            ppo_atari.choose_device(args.device)  # --device cuda without a GPU: refused before anything runs
     except ppo_atari.ConfigError as error:
         parser.error(str(error))
     results = {"cpu_count": cpu_count(), "torch": torch.__version__, "env_id": env_id, "env": [], "train": [],

@@ -11,13 +11,15 @@ the seconds spent in each phase of an update (`perf/env_seconds`, `perf/inferenc
     python benchmarks/vpg_halfcheetah.py --seeds 1 2 3 --json results.json
     python benchmarks/vpg_halfcheetah.py --seeds 1 -- --state-dependent-std    # an ablation
 
-Anything after `--` is passed to vpg_continuous.py. Runs go to runs/benchmark/<env>__<seed>__<label>.
+Anything after `--` is passed to vpg_continuous.py. Runs go to runs/benchmark/<env>__<seed>__<label>,
+the label being `--label`, else the flags after `--` (`state-dependent-std` above), else `default`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -34,7 +36,9 @@ def summarise(run_dir: Path, total_timesteps: int, points: int = 10) -> dict:
     """The return curve, the final return, the speed and the time of each phase, from a run's TensorBoard events."""
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     events.Reload()
-    returns = [(e.step, e.value) for e in events.Scalars("charts/episodic_return")]
+    # A run too short to end an episode has logged no return: its curve and final return are NaN.
+    ended = "charts/episodic_return" in events.Tags()["scalars"]
+    returns = [(e.step, e.value) for e in events.Scalars("charts/episodic_return")] if ended else []
     sps = [e.value for e in events.Scalars("charts/SPS")]
     curve = []
     for i in range(1, points + 1):
@@ -43,8 +47,8 @@ def summarise(run_dir: Path, total_timesteps: int, points: int = 10) -> dict:
         curve.append((int(high), float(np.mean(window)) if window else float("nan")))
     phases = {tag.removeprefix("perf/").removesuffix("_seconds"): float(sum(e.value for e in events.Scalars(tag)))
               for tag in events.Tags()["scalars"] if tag.startswith("perf/")}
-    return {"final_return": float(np.mean([value for _, value in returns[-20:]])), "curve": curve,
-            "episodes": len(returns), "sps": sps[-1], "phase_seconds": phases}
+    final_return = float(np.mean([value for _, value in returns[-20:]])) if returns else float("nan")
+    return {"final_return": final_return, "curve": curve, "episodes": len(returns), "sps": sps[-1], "phase_seconds": phases}
 
 
 def main() -> None:
@@ -52,11 +56,15 @@ def main() -> None:
     parser.add_argument("--env", default="HalfCheetah-v5")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--total-timesteps", type=int, default=1_000_000)
-    parser.add_argument("--label", default="default", help="names the runs' directories")
+    parser.add_argument("--label", help="names the runs' directories (default: `default`, or the flags after --)")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "benchmark", help="where the runs go")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("script_args", nargs="*", help="after --: flags for vpg_continuous.py")
     args = parser.parse_args()
+    # An ablation's runs go beside the default's, not into them: its label is its flags.
+    args.label = args.label or "_".join(arg.strip("-").replace("/", "-") for arg in args.script_args) or "default"
+    if args.json is not None and (args.json.is_dir() or not os.access(args.json.parent, os.W_OK)):
+        parser.error(f"--json {args.json}: cannot write there")  # now, not after the runs
 
     results = []
     for seed in args.seeds:
@@ -65,7 +73,9 @@ def main() -> None:
                    "--total-timesteps", str(args.total_timesteps), "--run-dir", str(run_dir), *args.script_args]
         print(" ".join(command[1:]), file=sys.stderr, flush=True)
         started = time.perf_counter()
-        subprocess.run(command, check=True, cwd=ROOT)
+        if status := subprocess.run(command, cwd=ROOT).returncode:  # the script has said why, in its own line
+            sys.exit(f"vpg_continuous.py ended with exit status {status}; seeds before {seed} are done" if results
+                     else f"vpg_continuous.py ended with exit status {status}")
         result = {"seed": seed, "run_dir": str(run_dir), "seconds": time.perf_counter() - started,
                   **summarise(run_dir, args.total_timesteps)}
         results.append(result)

@@ -152,6 +152,8 @@ def test_ppo_jax_speed_measures_the_process_beside_the_compiled_program():
     ("ppo_jax_speed.py", ["--seeds", "16", "0"], "--seeds must be at least 1, not 0"),
     ("ppo_jax_speed.py", ["--compare", "missing.py"], "--compare missing.py is not a file"),
     ("ppo_jax_speed.py", ["--total-timesteps", "100"], "--total-timesteps must be at least 512, not 100"),
+    ("throughput.py", ["--json", "missing/results.json"], "--json missing/results.json: cannot write there"),
+    ("ppo_jax_speed.py", ["--json", "."], "--json .: cannot write there"),
     ("ppo_jax_chunks.py", ["--updates", "5"], "--updates must be at least 100, not 5"),
     ("ppo_jax_chunks.py", ["--script", "missing.py"], "--script missing.py is not a file"),
     ("beside_cleanrl.py", ["--cleanrl", "."], "--cleanrl . holds no cleanrl/ppo_atari.py"),
@@ -165,6 +167,15 @@ def test_the_speed_benchmarks_refuse_bad_input_in_one_line(script, args, message
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"{script}: error: ") and message in last, result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here to measure")
+def test_the_throughput_benchmark_without_a_gpu_refuses_cuda_in_one_line(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--device", "cuda"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == ("throughput.py: error: --device cuda was asked for, but torch "
+                                                      "finds no CUDA device")
 
 
 STAND_IN_CLEANRL = """import os, sys, time

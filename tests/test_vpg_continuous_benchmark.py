@@ -23,4 +23,35 @@ def test_benchmark_reports_the_curve_and_the_speed(tmp_path):
     phases = run["phase_seconds"]
     assert set(phases) == {"env", "inference", "update"} and min(phases.values()) > 0
     assert sum(phases.values()) < run["seconds"]
-    assert "Pendulum-v1, 2,048 steps, 1 seeds (default): return" in result.stdout
+    # Flags after `--` name the runs' folder, so an ablation's runs go beside the default's.
+    label = "num-envs_4_num-steps_256_value-epochs_1"
+    assert run["run_dir"] == str(tmp_path / f"Pendulum-v1__1__{label}")
+    assert f"Pendulum-v1, 2,048 steps, 1 seeds ({label}): return" in result.stdout
+
+
+def benchmark(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vpg_halfcheetah.py"), "--env", "Pendulum-v1",
+                           *args], capture_output=True, text=True, timeout=300)
+
+
+def test_a_run_that_ends_no_episode_reports_nan_and_a_refused_run_is_one_line(tmp_path):
+    # 4 envs x 64 steps: no 200-step Pendulum episode ends, so no return was logged.
+    args = ["--total-timesteps", "256", "--runs", str(tmp_path), "--label", "short", "--", "--num-envs", "4",
+            "--num-steps", "64", "--value-epochs", "1"]
+    result = benchmark(*args)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "seed 1: return nan (last 20 episodes)" in result.stdout
+    # The same run again: vpg_continuous.py refuses its folder in a line, and this says so in one more.
+    result = benchmark(*args)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-2:] == [
+        f"vpg_continuous.py: error: {tmp_path / 'Pendulum-v1__1__short'} already holds a checkpoint; resume it with "
+        f"--resume {tmp_path / 'Pendulum-v1__1__short' / 'checkpoint.pt'} or choose another --run-dir",
+        "vpg_continuous.py ended with exit status 2"]
+
+
+def test_a_json_path_that_cannot_be_written_is_refused_before_any_run(tmp_path):
+    result = benchmark("--json", str(tmp_path / "missing" / "results.json"), "--runs", str(tmp_path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith("results.json: cannot write there")
+    assert list(tmp_path.iterdir()) == []
