@@ -39,6 +39,7 @@ compilation cache is switched off for every measurement, so that compile times a
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import statistics
@@ -103,6 +104,24 @@ def measure_process(seeds: int, total_timesteps: int, script: Path) -> dict:
     return {"seeds": seeds, "script": str(script), "process_s": seconds, "inside_chunks_s": inside,
             "updates": total_timesteps // (4 * 128), "agent_steps": ends[-1] * seeds,
             "compile_line_s": float(compiled.split("compiled in ")[1].split(" s")[0])}
+
+
+# What each part measures uses of a ppo_jax.py: a `--compare` that lacks one is refused before anything runs.
+USED_BY_PART = {"process": ("main",), "atari": ("RunConfig", "PRESETS", "resolve_env", "choose_device", "make_train",
+                                                "convolution_layer", "make_update_agent", "make_optimizer")}
+
+
+def names_defined(path: Path) -> set[str]:
+    """The names the Python file at `path` defines at its top level, read without running it (a
+    `SyntaxError`, or for a binary file a `ValueError`, if it is not Python)."""
+    names = set()
+    for node in ast.parse(path.read_bytes(), str(path)).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            names |= {target.id for target in ast.walk(node) if isinstance(target, ast.Name)
+                      and isinstance(target.ctx, ast.Store)}
+    return names
 
 
 def import_ppo_jax(path: Path):
@@ -258,7 +277,17 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} must be at least {least}, not {value}")
     if args.compare is not None and not args.compare.is_file():
         parser.error(f"--compare {args.compare} is not a file")
-    if args.json is not None and (args.json.is_dir() or not os.access(args.json.parent, os.W_OK)):
+    if args.compare is not None:
+        try:
+            defined = names_defined(args.compare)
+        except (SyntaxError, ValueError) as error:
+            parser.error(f"--compare {args.compare} is not Python: {error}".splitlines()[0])
+        parts = {"process": ["process"], "overhead": ["process"], "atari": ["atari"], "all": ["process", "atari"]}
+        if missing := [name for part in parts.get(args.part, []) for name in USED_BY_PART[part] if name not in defined]:
+            parser.error(f"--compare {args.compare} is not a ppo_jax.py: it defines no {', '.join(missing)}")
+    # Checked, not created: a file made now would be left empty by a run that fails or is stopped.
+    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()
+                                  or not os.access(args.json.parent, os.W_OK)):
         parser.error(f"--json {args.json}: cannot write there")  # now, not after the measurements
 
     if args.measure:

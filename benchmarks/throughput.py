@@ -36,6 +36,7 @@ Timings are never asserted in tests; this script is where they are measured.
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -123,9 +124,17 @@ def workers_alone(env_id: str, num_envs: int, num_workers: int, steps: int) -> f
         return time_steps(envs.step, num_envs, envs.n_actions, steps, rng)
 
 
+# What each part measures uses of a script: a `--baseline` that lacks one is refused before anything runs.
+USED_BY_PART = {"train": ("RunConfig", "RunWorkers", "RunTrainer", "game_options"),
+                "host": ("Config", "Game", "Trainer", "FastSamplingTrainer")}
+
+
 def load_script(path: Path):
     """A copy of ppo_atari.py as a module of its own, so that two copies can be measured in one run."""
-    spec = importlib.util.spec_from_file_location(f"measured_{abs(hash(str(path)))}", path)
+    name = f"measured_{abs(hash(str(path)))}"
+    # Read as Python whatever its name ends with: `git show 30d4d64:ppo_atari.py > /tmp/before` is a copy too.
+    spec = importlib.util.spec_from_file_location(name, path,
+                                                  loader=importlib.machinery.SourceFileLoader(name, str(path)))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look themselves up here
     spec.loader.exec_module(module)
@@ -257,7 +266,9 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} must be at least {least}, not {value}")
     if args.baseline is not None and not args.baseline.is_file():
         parser.error(f"--baseline {args.baseline} is not a file")
-    if args.json is not None and (args.json.is_dir() or not os.access(args.json.parent, os.W_OK)):
+    # Checked, not created: a file made now would be left empty by a run that fails or is stopped.
+    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()
+                                  or not os.access(args.json.parent, os.W_OK)):
         parser.error(f"--json {args.json}: cannot write there")  # now, not after the measurements
     try:
         env_id = ppo_atari.resolve_env_id(args.env)
@@ -267,7 +278,16 @@ def main() -> None:
         parser.error(str(error))
     results = {"cpu_count": cpu_count(), "torch": torch.__version__, "env_id": env_id, "env": [], "train": [],
                "host": []}
-    scripts = {"this": ppo_atari, **({"baseline": load_script(args.baseline)} if args.baseline else {})}
+    scripts = {"this": ppo_atari}
+    if args.baseline:
+        try:
+            scripts["baseline"] = load_script(args.baseline)
+        except Exception as error:  # the user's file, whatever it holds: what stopped it, in one line
+            parser.error(f"--baseline {args.baseline} does not load as a copy of ppo_atari.py: "
+                         f"{type(error).__name__}: {error}".splitlines()[0])
+        if missing := [name for part, names in USED_BY_PART.items() if args.part in (part, "all")
+                       for name in names if not hasattr(scripts["baseline"], name)]:
+            parser.error(f"--baseline {args.baseline} is not a copy of ppo_atari.py: it defines no {', '.join(missing)}")
     # What trains, by name: a script, and whether its update may be replayed from a CUDA graph.
     kinds = {name: (name, True) for name in scripts}
     if args.eager_update:

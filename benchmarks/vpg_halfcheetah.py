@@ -63,8 +63,13 @@ def main() -> None:
     args = parser.parse_args()
     # An ablation's runs go beside the default's, not into them: its label is its flags.
     args.label = args.label or "_".join(arg.strip("-").replace("/", "-") for arg in args.script_args) or "default"
-    if args.json is not None and (args.json.is_dir() or not os.access(args.json.parent, os.W_OK)):
+    # Checked, not created: a file made now would be left empty by a run that fails or is stopped.
+    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()
+                                  or not os.access(args.json.parent, os.W_OK)):
         parser.error(f"--json {args.json}: cannot write there")  # now, not after the runs
+    # vpg_continuous.py runs in the repository's root and its events are read from here: made absolute, a
+    # relative --runs names one folder to both.
+    args.runs = args.runs.resolve()
 
     results = []
     for seed in args.seeds:
@@ -81,7 +86,8 @@ def main() -> None:
         results.append(result)
         curve = "  ".join(f"{step // 1000}k:{value:.0f}" for step, value in result["curve"])
         phases = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in result["phase_seconds"].items())
-        print(f"seed {seed}: return {result['final_return']:.1f} (last 20 episodes) | {result['sps']:,.0f} SPS | "
+        returned = f"return {result['final_return']:.1f} (last 20 episodes)" if result["episodes"] else "no episode ended"
+        print(f"seed {seed}: {returned} | {result['sps']:,.0f} SPS | "
               f"{result['seconds'] / 60:.1f} min ({phases}) | curve {curve}", flush=True)
     finals = [result["final_return"] for result in results]
     spread = f" ± {statistics.stdev(finals):.1f}" if len(finals) > 1 else ""

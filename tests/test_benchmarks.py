@@ -154,6 +154,12 @@ def test_ppo_jax_speed_measures_the_process_beside_the_compiled_program():
     ("ppo_jax_speed.py", ["--total-timesteps", "100"], "--total-timesteps must be at least 512, not 100"),
     ("throughput.py", ["--json", "missing/results.json"], "--json missing/results.json: cannot write there"),
     ("ppo_jax_speed.py", ["--json", "."], "--json .: cannot write there"),
+    # A path under a file: refused now, not after the (short) part asked for has run.
+    ("throughput.py", ["--part", "host", "--num-envs", "1", "--json", str(ROOT / "README.md" / "results.json")],
+     f"--json {ROOT / 'README.md' / 'results.json'}: cannot write there"),
+    ("ppo_jax_speed.py", ["--part", "compiled", "--seeds", "1", "--total-timesteps", "512", "--repeats", "1",
+                          "--json", str(ROOT / "README.md" / "results.json")],
+     f"--json {ROOT / 'README.md' / 'results.json'}: cannot write there"),
     ("ppo_jax_chunks.py", ["--updates", "5"], "--updates must be at least 100, not 5"),
     ("ppo_jax_chunks.py", ["--script", "missing.py"], "--script missing.py is not a file"),
     ("beside_cleanrl.py", ["--cleanrl", "."], "--cleanrl . holds no cleanrl/ppo_atari.py"),
@@ -167,6 +173,27 @@ def test_the_speed_benchmarks_refuse_bad_input_in_one_line(script, args, message
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"{script}: error: ") and message in last, result.stderr
+
+
+@pytest.mark.parametrize("script, flag, name, text, message", [
+    ("throughput.py", "--baseline", "notes.txt", "hello world",
+     "--baseline notes.txt does not load as a copy of ppo_atari.py: SyntaxError: invalid syntax (notes.txt, line 1)"),
+    ("throughput.py", "--baseline", "other.py", "x = 1",
+     "--baseline other.py is not a copy of ppo_atari.py: it defines no Config, Game, Trainer, FastSamplingTrainer"),
+    ("ppo_jax_speed.py", "--compare", "notes.txt", "hello world",
+     "--compare notes.txt is not Python: invalid syntax (notes.txt, line 1)"),
+    ("ppo_jax_speed.py", "--compare", "other.py", "x = 1", "--compare other.py is not a ppo_jax.py: it defines no main"),
+])
+def test_a_file_to_measure_beside_the_script_that_is_not_one_is_refused_in_one_line(script, flag, name, text, message,
+                                                                                   tmp_path):
+    # Before anything is measured (this script's own run comes first), a line naming the file and what it lacks.
+    (tmp_path / name).write_text(text)
+    part = ["--part", "host", "--num-envs", "1"] if script == "throughput.py" else [
+        "--part", "process", "--seeds", "1", "--total-timesteps", "512", "--repeats", "1"]
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *part, flag, name],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == f"{script}: error: {message}", result.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here to measure")
