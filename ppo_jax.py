@@ -49,10 +49,10 @@ ppo_jax.py` process takes about 14 s, and the agent ends at the maximum return o
 agents side by side gain little from `vmap` (sixteen ran at 172,000 steps a second in all, against
 125,000 for one): PureJaxRL's thousands of agents at once are a GPU's game.
 
-![ppo_jax.py on CartPole-v1: the mean return of the last 100 episodes of 16 agents, trained side by side in one compiled program, rises from about 30 to 500 by 360k steps and stays there to 500k; the spread across agents is shaded, and PureJaxRL's 500 is drawn as a dashed line](benchmarks/results/cartpole-jax.png)
+![ppo_jax.py on CartPole-v1: the mean return of the last 100 episodes of 16 agents, trained side by side in one compiled program, rises from about 30 to 500 by 365k steps and stays there to 500k; the spread across agents is shaded, and PureJaxRL's 500 is drawn as a dashed line](benchmarks/results/cartpole-jax.png)
 
 `python benchmarks/learning_curves.py cartpole-jax` made the curve: sixteen agents of seed 1, the
-mean return of each one's last 100 episodes at 500 from about 360k steps on.
+mean return of each one's last 100 episodes at 500 from 365k steps on.
 Pendulum-v1 with its preset, observations and rewards normalised: twelve agents between -128 and
 -166 after 1M steps each, each past -250 within 94,000 steps (`benchmarks/README.md` has the table).
 
@@ -2102,9 +2102,11 @@ LONGEST_CHUNK = 1000
 def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, signals: Signals) -> int:
     """Train `num_seeds` agents (on Atari, one): `make_train`'s program, a chunk of the run at a time; the exit status.
 
-    A chunk is some updates of every agent, `train_chunk` under `vmap`. A call of a compiled program
-    returns before the program has run, so the next chunk starts as soon as the last one is known
-    not to have diverged, and the last one is logged while the next computes. Between chunks the
+    A chunk is some updates of every agent, `train_chunk` under `vmap`. JAX dispatches a compiled
+    program asynchronously: on the CPU the call returns before the program has run, so the next chunk
+    starts as soon as the last one is known not to have diverged, and the last one is logged while
+    the next computes (on the H200 measured in `benchmarks/README.md` the call returned only once its
+    chunk had nearly run). Between chunks the
     run saves a checkpoint every `--checkpoint-every` updates and at the end (and records an episode,
     with `--capture-video`) and looks for a stop request. Chunks are sized by time, so that the progress
     line moves and Ctrl-C is answered within `CHUNK_SECONDS` or so, whatever an update costs (on a

@@ -971,9 +971,10 @@ class Trainer:
         advantages = self.normalize_advantages(advantages)
 
         # The policy-gradient step: one, on the whole batch. The value term of the loss reaches only
-        # the value network's parameters (the networks share none), and each network's gradient is
-        # clipped on its own, so the value's error cannot shrink the policy's step: the value term
-        # is the first step of the value function's fit, which the minibatch passes below finish.
+        # the value network's parameters (the networks share none); by default their gradients are
+        # clipped together, so a value far off its targets shrinks the policy's step too (with
+        # `clip_each_network` it cannot): the value term is the first step of the value function's
+        # fit, which the minibatch passes below finish.
         mean, std = self.policy(obs)
         log_probs = gaussian_log_prob(mean, std, actions)
         terms = vpg_loss(log_probs, old_log_probs, advantages, self.value(obs), returns, gaussian_entropy(std), config)
