@@ -845,12 +845,19 @@ def local_job_alive(job_id: str) -> bool:
 def job_result(task: Task, runs: Path, record: dict) -> tuple[str, str] | None:
     """What submitit recorded at a job's end: `("success", what the job returned)` or `("error",
     traceback)`; None for a job that was killed before it could record anything. (A local job's id is
-    a process id, which an earlier job may have had: its result is older than this job.)"""
+    a process id, which an earlier job may have had: its result is older than this job.) A record
+    that cannot be read (a disk that filled as it was written) is the job's failure, said as such."""
     path = jobs_folder(task, runs) / f"{record['job_id']}_0_result.pkl"
     if not path.exists() or path.stat().st_mtime < record.get("submitted_at", 0.0):
         return None
-    with path.open("rb") as file:
-        return pickle.load(file)
+    try:
+        with path.open("rb") as file:
+            result = pickle.load(file)
+        if isinstance(result, tuple) and len(result) == 2 and result[0] in ("success", "error"):
+            return result
+    except Exception:  # noqa: BLE001  (unpickling damaged bytes can raise almost anything)
+        pass
+    return "error", f"the record of its job's end, {path}, is damaged"
 
 
 def last_lines(path: Path, count: int = 8) -> list[str]:

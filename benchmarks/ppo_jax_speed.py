@@ -94,11 +94,12 @@ def measure_process(seeds: int, total_timesteps: int, script: Path) -> dict:
                                 capture_output=True, text=True, env=environment())
         seconds = time.perf_counter() - started
         if result.returncode != 0:
-            raise RuntimeError(result.stderr)
+            sys.stderr.write(result.stderr)
+            raise SystemExit(f"{script} ended with exit status {result.returncode}")
         events = EventAccumulator(run_dir)
         events.Reload()
         chunks = [(event.step, event.value) for event in events.Scalars("charts/SPS")]
-    compiled = next(line for line in result.stderr.splitlines() if "compiled in" in line)
+    compiled = next((line for line in result.stderr.splitlines() if "compiled in" in line), "compiled in nan s")
     ends = [0] + [step for step, _ in chunks]
     inside = sum((end - start) * seeds / sps for start, end, (_, sps) in zip(ends, ends[1:], chunks))
     return {"seeds": seeds, "script": str(script), "process_s": seconds, "inside_chunks_s": inside,
@@ -247,8 +248,10 @@ def in_fresh_process(*args: str) -> dict:
     load_before = os.getloadavg()[0]
     result = subprocess.run([sys.executable, __file__, "--measure", *args], capture_output=True, text=True,
                             env=environment())
-    if result.returncode != 0:
-        raise RuntimeError(result.stderr)
+    if result.returncode != 0:  # its traceback, or the script's own error, then one line of ours
+        sys.stderr.write(result.stderr)
+        raise SystemExit(f"ppo_jax_speed.py: measuring `{' '.join(args)}` failed (exit status "
+                         f"{result.returncode}); what it wrote is above")
     return {**json.loads(result.stdout.strip().splitlines()[-1]), "load": (load_before, os.getloadavg()[0])}
 
 

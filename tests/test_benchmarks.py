@@ -196,6 +196,21 @@ def test_a_file_to_measure_beside_the_script_that_is_not_one_is_refused_in_one_l
     assert result.stderr.strip().splitlines()[-1] == f"{script}: error: {message}", result.stderr
 
 
+def test_a_compared_copy_that_fails_while_measured_ends_in_its_own_words_not_a_traceback(tmp_path):
+    # A copy that defines what it should but fails when run: its error, then one line saying which
+    # measurement failed, exit status 1.
+    broken = tmp_path / "broken.py"
+    broken.write_text("import sys\n\n\ndef main():\n    pass\n\n\nsys.exit('this copy is broken')\n")
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ppo_jax_speed.py"), "--part", "process",
+                             "--seeds", "1", "--total-timesteps", "512", "--repeats", "1", "--compare", broken.name],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-3:] == ["this copy is broken", f"{broken} ended with exit status 1",
+                          f"ppo_jax_speed.py: measuring `process 1 512 {broken}` failed (exit status 1); what it "
+                          "wrote is above"], result.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here to measure")
 def test_the_throughput_benchmark_without_a_gpu_refuses_cuda_in_one_line(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--device", "cuda"],

@@ -9,6 +9,7 @@ import functools
 import importlib.util
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -473,3 +474,17 @@ def test_bad_cluster_input_is_one_line_and_status_2(argv, message, tmp_path, cap
     with pytest.raises(SystemExit) as exit:
         curves.main(["breakout", "--slurm-arg", "--qos"])
     assert exit.value.code == 2
+
+
+def test_a_damaged_record_of_a_jobs_end_is_the_jobs_failure_not_a_traceback(tmp_path):
+    task = curves.Task("t", "ppo_jax.py", "CartPole-v1", 1000, 1000, (1,))
+    assert curves.submit(Executor(), curves.run_state(task, 1, tmp_path, {}), tmp_path, "local") == ("101", True)
+    result = curves.jobs_folder(task, tmp_path) / "101_0_result.pkl"
+    result.parent.mkdir(parents=True, exist_ok=True)
+    for damaged in (b"\x80\x05\x95 cut short", b"", pickle.dumps(["not", "submitit's"])):
+        result.write_bytes(damaged)
+        seen = curves.run_state(task, 1, tmp_path, {})
+        assert (seen.state, seen.job_id) == ("failed", "101")
+        assert seen.detail[0] == f"the record of its job's end, {result}, is damaged"
+    result.write_bytes(pickle.dumps(("error", "Traceback (most recent call last):\nValueError: boom\n")))
+    assert curves.run_state(task, 1, tmp_path, {}).detail[0] == "ValueError: boom"
