@@ -1129,8 +1129,9 @@ class Workers:
 #   graph: one launch for its few dozen small kernels, whose launches cost more than their work
 #   (0.12 ms a step for 8 games instead of 0.68 ms, on an H200). Each minibatch step of the update
 #   is replayed from another graph, for the same reason (an update of 8 games took 30 ms instead of
-#   about 90 ms on an H200). With both graphs, training on an H200 ran at 0.78 of the workers' speed
-#   alone at 8 games and 0.89 at 32 (0.62 and 0.82 with the update's steps launched one by one).
+#   about 96 ms on an H200). With both graphs, training on an H200 ran at 0.78 of the workers' speed
+#   alone at 8 games and 0.89 at 32 (0.62 and 0.82 with the update's steps launched one by one; the
+#   README's run of 950627f).
 #   A graph replays the kernels it recorded, with the numbers they read then: a fork whose
 #   `sample_actions` or `minibatch_step` reads a Python number that changes from update to update
 #   (an entropy coefficient scheduled from `self.update`, say) passes it as a tensor, as `fixed_step`
@@ -1153,9 +1154,9 @@ def use_bf16(precision: str, device: torch.device) -> bool:
     r"""Whether the torso runs in bfloat16.
 
     The update dominates training on a CPU, and bfloat16 shortens it wherever the CPU computes in it
-    natively: the whole training step ran 1.6 times faster with AMX (an Intel Xeon) and 1.4 times
+    natively: the whole training step ran 1.6 times faster with AMX (an Intel Xeon) and 1.8 times
     with AVX-512 BF16 (an AMD EPYC), `python benchmarks/throughput.py --part train --precision both`
-    (the runs are in `benchmarks/README.md`). On a CPU with neither, bfloat16 has no hardware to gain
+    (the runs are in the README). On a CPU with neither, bfloat16 has no hardware to gain
     from, and `auto` keeps float32; on CUDA, `auto` keeps float32 and lets cuDNN and cuBLAS use TF32.
     The heads stay in float32. It learns as float32 does, within the spread of seeds: Breakout to 1M
     steps, seed 1 scored 16.3 in bfloat16 and 22.4 in float32, and seed 2 26.7 in bfloat16
@@ -1258,9 +1259,9 @@ class FastSamplingTrainer(Trainer):
         """Part 1's `minibatch_step`; on CUDA (with `cuda_graph_update`) replayed from a CUDA graph.
 
         A step launches a few hundred small kernels one by one (forward, loss, backward, clip,
-        Adam): on an NVIDIA H200 an update of 8 games' 1,024 steps, 16 minibatch steps, took 89 ms
-        launched so, and 30 ms with each step replayed from a graph (102 and 81 ms at 32 games;
-        `benchmarks/graph_update.py`). Part 1's step waits for nothing, so all of it is captured.
+        Adam): on an NVIDIA H200 an update of 8 games' 1,024 steps, 16 minibatch steps, took 96 ms
+        launched so, and 30 ms with each step replayed from a graph (89 and 78 ms at 32 games;
+        `benchmarks/graph_update.py`, the README's run). Part 1's step waits for nothing, so all of it is captured.
         A graph reads and writes fixed memory, so the step runs on fixed tensors (`fixed_step`).
         The first three steps run as they are, on a side stream, so that cuDNN picks its algorithms
         and Adam makes its state before the capture. The outputs of a replay are valid until the

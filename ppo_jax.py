@@ -42,12 +42,14 @@ What JAX changes about writing RL, as this page meets it:
   at a time and does those between, taking back from the device one flag a chunk while a thread
   of its own logs the last chunk as the next one computes.
 
-What to expect, measured on this project's 2-core CPU (the README has the commands and the
-figures): CartPole-v1's default run, 500,000 steps of 4 environments x 128 steps, traces and
-compiles in about 8 s and runs in about 4 s (125,000 steps a second); the whole `python
-ppo_jax.py` process takes about 14 s, and the agent ends at the maximum return of 500. On a CPU,
-agents side by side gain little from `vmap` (sixteen ran at 172,000 steps a second in all, against
-125,000 for one): PureJaxRL's thousands of agents at once are a GPU's game.
+What to expect, measured on this project's 2-core CPU (an AMD EPYC; `python
+benchmarks/ppo_jax_speed.py --part overhead --seeds 1 16 --repeats 2`, whose results are in
+`benchmarks/results/ppo_jax-cartpole-epyc-avx512.json`): CartPole-v1's default run, 500,000 steps
+of 4 environments x 128 steps, traces and compiles in about 5 s and runs in 2.5 s (200,000 steps a
+second); the whole `python ppo_jax.py` process takes about 9 s, and the agent ends at the maximum
+return of 500. On a CPU, agents side by side gain little from `vmap` (sixteen ran at 290,000 steps
+a second in all, against 200,000 for one): PureJaxRL's thousands of agents at once are a GPU's
+game.
 
 ![ppo_jax.py on CartPole-v1: the mean return of the last 100 episodes of 16 agents, trained side by side in one compiled program, rises from about 30 to 500 by 365k steps and stays there to 500k; the spread across agents is shaded, and PureJaxRL's 500 is drawn as a dashed line](benchmarks/results/cartpole-jax.png)
 
