@@ -1261,11 +1261,11 @@ class FastSamplingTrainer(Trainer):
         A step launches a few hundred small kernels one by one (forward, loss, backward, clip,
         Adam): on an NVIDIA H200 an update of 8 games' 1,024 steps, 16 minibatch steps, took 96 ms
         launched so, and 30 ms with each step replayed from a graph (89 and 78 ms at 32 games;
-        `benchmarks/graph_update.py`, the README's run). Part 1's step waits for nothing, so all of it is captured.
-        A graph reads and writes fixed memory, so the step runs on fixed tensors (`fixed_step`).
-        The first three steps run as they are, on a side stream, so that cuDNN picks its algorithms
-        and Adam makes its state before the capture. The outputs of a replay are valid until the
-        next one, which Part 1's update allows: it stacks them at once.
+        `benchmarks/graph_update.py`, the README's run). Part 1's step waits for nothing, so all of
+        it is captured. A graph reads and writes fixed memory, so the step runs on fixed tensors
+        (`fixed_step`). The first three steps run as they are, on a side stream, so that cuDNN picks
+        its algorithms and Adam makes its state before the capture. The outputs of a replay are
+        valid until the next one, which Part 1's update allows: it stacks them at once.
         """
         if not (self.cuda_graph_update and self.device.type == "cuda"):
             return super().minibatch_step(batch, indices, clip_range)

@@ -27,12 +27,12 @@ one batch safe; everything else here (GAE, normalised observations, separate val
 orthogonal initialisation, annealed Adam) is the usual craft of on-policy methods, and it is what
 lifts VPG well above the textbook version.
 
-**What to expect.** With the defaults, HalfCheetah-v5 reaches a return of 3,049 after 1M steps,
-the mean over seeds 1, 2 and 3 of each seed's last 100 episodes (3,570, 2,484 and 3,093): level
-with rl-baselines3-zoo's A2C (3,041 at 1M, one run), a policy gradient with a learned baseline like
-this one. Spinning Up's VPG, with batches of 4,000 steps and neither normalisation, reaches about
-630 after 3M steps (read off its benchmark plot for PyTorch, on HalfCheetah-v3). On Hopper-v5, with the same
-defaults, it reaches 1,776 (1,749, 1,372 and 2,208), between rl-zoo's A2C (733) and its PPO
+**What to expect.** With the defaults, HalfCheetah-v5 reaches a return of 3,049 after 1M steps, the
+mean over seeds 1, 2 and 3 of each seed's last 100 episodes (3,570, 2,484 and 3,093): level with
+rl-baselines3-zoo's A2C (3,041 at 1M, one run), a policy gradient with a learned baseline like this
+one. Spinning Up's VPG, with batches of 4,000 steps and neither normalisation, reaches about 630
+after 3M steps (read off its benchmark plot for PyTorch, on HalfCheetah-v3). On Hopper-v5, with the
+same defaults, it reaches 1,776 (1,749, 1,372 and 2,208), between rl-zoo's A2C (733) and its PPO
 (2,410), each at 1M steps and one run.
 
 ![vpg_continuous.py on HalfCheetah-v5: the mean return of seeds 1 to 3 climbs from about -200 to 3,049 at 1M steps, with the seeds between 2,484 and 3,570; rl-zoo's A2C, 3,041 at 1M steps, and Spinning Up's VPG, about 630 at 3M steps, are drawn as dashed lines](benchmarks/results/halfcheetah.png)
@@ -43,13 +43,13 @@ defaults, it reaches 1,776 (1,749, 1,372 and 2,208), between rl-zoo's A2C (733) 
 seeds is when each finds its first gait: on HalfCheetah seeds 1 and 3 first average 500 at 180k
 steps and seed 2 at 250k. On an otherwise idle 2-core x86-64 CPU (an AMD EPYC) a run steps about
 6,000 times a second, so 1M steps take about 3 minutes; more than half of that is the update (see
-`choose_device` on why the CPU runs it; the README has the command and the figures). What
-mattered most were small batches, since one step per batch means the batch size decides how many
-times the policy moves, then reward scaling, then how the gradient is clipped: the table under
-`Config` has the numbers beside each default and where it comes from. The batch size and the scaling were measured on seed 1 alone, on
-an earlier version of this file (it reached 3,954, 2,352 and 1,777 on seeds 1 to 3, the last 20
-episodes of each); the clip and the scaler's prior were chosen on three whole runs of each
-candidate. `python benchmarks/vpg_halfcheetah.py` measures a seed again.
+`choose_device` on why the CPU runs it; the README has the command and the figures). What mattered
+most were small batches, since one step per batch means the batch size decides how many times the
+policy moves, then reward scaling, then how the gradient is clipped: the table under `Config` has
+the numbers beside each default and where it comes from. The batch size and the scaling were
+measured on seed 1 alone, on an earlier version of this file (it reached 3,954, 2,352 and 1,777 on
+seeds 1 to 3, the last 20 episodes of each); the clip and the scaler's prior were chosen on three
+whole runs of each candidate. `python benchmarks/vpg_halfcheetah.py` measures a seed again.
 
 Papers: REINFORCE (Williams, 1992, Machine Learning 8); the policy gradient theorem (Sutton et al.,
 2000, NIPS 12); GAE (Schulman et al., 2016, arXiv:1506.02438); time limits as truncation (Pardo et
