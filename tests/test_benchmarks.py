@@ -2,6 +2,7 @@
 they produce numbers."""
 
 import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -196,19 +197,21 @@ def test_a_file_to_measure_beside_the_script_that_is_not_one_is_refused_in_one_l
     assert result.stderr.strip().splitlines()[-1] == f"{script}: error: {message}", result.stderr
 
 
-def test_a_compared_copy_that_fails_while_measured_ends_in_its_own_words_not_a_traceback(tmp_path):
+def test_a_compared_copy_that_fails_while_measured_ends_in_its_own_words_not_a_traceback(tmp_path, capsys):
     # A copy that defines what it should but fails when run: its error, then one line saying which
-    # measurement failed, exit status 1.
+    # measurement failed, exit status 1 (`main` lets the SystemExit through, which prints no traceback).
+    spec = importlib.util.spec_from_file_location("ppo_jax_speed", ROOT / "benchmarks" / "ppo_jax_speed.py")
+    speed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(speed)
     broken = tmp_path / "broken.py"
     broken.write_text("import sys\n\n\ndef main():\n    pass\n\n\nsys.exit('this copy is broken')\n")
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ppo_jax_speed.py"), "--part", "process",
-                             "--seeds", "1", "--total-timesteps", "512", "--repeats", "1", "--compare", broken.name],
-                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert lines[-3:] == ["this copy is broken", f"{broken} ended with exit status 1",
-                          f"ppo_jax_speed.py: measuring `process 1 512 {broken}` failed (exit status 1); what it "
-                          "wrote is above"], result.stderr
+    with pytest.raises(SystemExit) as failed:
+        speed.in_fresh_process("process", "1", "512", str(broken))
+    assert str(failed.value) == (f"ppo_jax_speed.py: measuring `process 1 512 {broken}` failed (exit status 1); "
+                                 "what it wrote is above")
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines() == ["this copy is broken",
+                                                                  f"{broken} ended with exit status 1"], err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here to measure")
