@@ -1451,8 +1451,9 @@ def choose_device(requested: str, local_rank: int = 0) -> torch.device:
     of `num_envs` observations while the envs wait for the actions; on the 2-core CPU this page was
     measured on, that forward pass took 0.13 to 0.3 ms on one thread. It is a dozen small
     operations, each of which would be a kernel launch of several microseconds on a GPU. An update
-    is 41 gradient steps (one on the batch of 256, forty on minibatches of 64) of about 1.1 ms each,
-    two thirds of a run's time, again bound by the overhead per operation rather than by
+    is 41 gradient steps (one on the batch of 256, forty on minibatches of 64), about 23 ms in all
+    on an AMD EPYC, and the updates are half of a run's time (89 s of the 2.8 minutes of 1M steps;
+    the README has the command), again bound by the overhead per operation rather than by
     arithmetic. So there is little for a GPU to win at these sizes; `--device cuda` is for forks
     with much larger batches or networks, and there the rollout crosses to the GPU once each way per
     step and an update waits for it once (Part 1). (No GPU was at hand to time the crossover for
