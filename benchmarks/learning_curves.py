@@ -2,15 +2,15 @@ r"""Learning curves of this project's scripts, drawn beside the published curves
 
 A curve is made the way a user would make it: the script itself runs through its command line, one
 process per seed, with the schedule of a full run (`--total-timesteps`, so that the learning rate
-and the clip range anneal as they would over the whole run) and is stopped at a budget of steps.
-A run stopped at the budget keeps its checkpoint, so a later call with a larger budget resumes it:
-a 10M-step curve can be built over several sittings, on several machines, one chunk at a time. For
+and the clip range anneal as they would over the whole run) and is stopped at a budget of steps. A
+run stopped at the budget keeps its checkpoint, so a later call with a larger budget resumes it: a
+10M-step curve can be built over several sittings, on several machines, one chunk at a time. For
 `ppo_jax.py` on a gymnax env it is the same curve as one run's, bit for bit: the environments' state
 is in its checkpoint. ALE's games (in `ppo_atari.py` and in `ppo_jax.py`'s Atari path) and
 `vpg_continuous.py`'s envs restart at each sitting, their state not saved: the weights, the
 optimizer and the schedule go on, but from a sitting's first step the episodes are not the ones an
-unbroken run would have played, and the curve differs from its curve there. This file then reads the TensorBoard events the runs
-leave and writes, per task, under `benchmarks/results/`:
+unbroken run would have played, and the curve differs from its curve there. This file then reads the
+TensorBoard events the runs leave and writes, per task, under `benchmarks/results/`:
 
 - `<task>.csv`: the curve, one row per point of a regular grid of steps (the format below);
 - `<task>.png`: the score against steps, the mean over the seeds with their spread (min to max)
@@ -68,16 +68,17 @@ executor, on this machine. A job runs the sittings above on its node. `--partiti
 (minutes), `--cpus-per-job` and `--gpus-per-job` say what each job asks for, and every
 `--slurm-arg KEY=VALUE` is passed on to sbatch as `--KEY=VALUE`. `--runs` must be on a file system
 that the nodes and this machine share, and so must the Python that runs this file. The command then
-waits, saying each run's state as it changes (`--no-wait`: it exits once the jobs are submitted), and
-makes the CSVs and plots, as above, once every run has reached its budget; the same command run
+waits, saying each run's state as it changes (`--no-wait`: it exits once the jobs are submitted),
+and makes the CSVs and plots, as above, once every run has reached its budget; the same command run
 again, or `--status`, says which runs are done, running, queued or failed (a failed one with the
 last lines of its log) and submits only the runs that have no job under way. A job stopped before
-its run's end leaves the run's checkpoint: before its time limit SLURM sends SIGUSR2 (`--signal`,
-90 s ahead), and the job stops the script, waits for its checkpoint and is requeued; at the limit
+its run's end leaves the run's checkpoint: before its time limit SLURM sends SIGUSR2 (`--signal`, 90
+s ahead), and the job stops the script, waits for its checkpoint and is requeued; at the limit
 itself, on `scancel` or a preemption, SIGTERM reaches the script, which saves and exits, and the
 waiting command submits the run again. Either way the run resumes from its checkpoint (with its
-games begun afresh, as above, where they are not in it). A run whose job ended without getting it any further is failed, and submitted
-again only with `--retry-failed`. `benchmarks/README.md` shows a run on a single-node SLURM.
+games begun afresh, as above, where they are not in it). A run whose job ended without getting it
+any further is failed, and submitted again only with `--retry-failed`. `benchmarks/README.md` shows
+a run on a single-node SLURM.
 
 ## The Atari suite
 

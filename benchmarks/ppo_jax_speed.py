@@ -99,12 +99,13 @@ def measure_process(seeds: int, total_timesteps: int, script: Path) -> dict:
         events = EventAccumulator(run_dir)
         events.Reload()
         chunks = [(event.step, event.value) for event in events.Scalars("charts/SPS")]
-    compiled = next((line for line in result.stderr.splitlines() if "compiled in" in line), "compiled in nan s")
+    # The line `compiled in N s`, which a --compare of another version may not print.
+    compiled = next((line for line in result.stderr.splitlines() if "compiled in" in line), None)
     ends = [0] + [step for step, _ in chunks]
     inside = sum((end - start) * seeds / sps for start, end, (_, sps) in zip(ends, ends[1:], chunks))
     return {"seeds": seeds, "script": str(script), "process_s": seconds, "inside_chunks_s": inside,
             "updates": total_timesteps // (4 * 128), "agent_steps": ends[-1] * seeds,
-            "compile_line_s": float(compiled.split("compiled in ")[1].split(" s")[0])}
+            "compile_line_s": float(compiled.split("compiled in ")[1].split(" s")[0]) if compiled else float("nan")}
 
 
 # What each part measures uses of a ppo_jax.py: a `--compare` that lacks one is refused before anything runs.
