@@ -2342,7 +2342,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{prog}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # before the run began (reading the checkpoint, say), or while evaluating
-        print("\ninterrupted; no checkpoint written", file=sys.stderr)
+        print(f"\n{prog}: interrupted", file=sys.stderr)
         return 130
 
 

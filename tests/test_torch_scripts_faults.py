@@ -513,7 +513,7 @@ def test_ctrl_c_while_evaluating_is_one_line_and_exit_130(script, tmp_path, monk
 
     monkeypatch.setattr(script.env_class, "step", step)
     status, _, stderr = script.run_main(capsys, "--eval", tmp_path / "checkpoint.pt", "--eval-episodes", 2)
-    assert status == 130 and stderr.strip().splitlines() == ["interrupted; no checkpoint written"], stderr
+    assert status == 130 and stderr.strip().splitlines() == [f"{script.name}: interrupted"], stderr
 
 
 @pytest.mark.parametrize("edit, message", [
