@@ -240,7 +240,9 @@ class Game:
       `EpisodicLifeEnv`); with `--no-life-loss` nobody serves the next ball but the agent.
     * **Frame skip and max-pool.** Each action is repeated for `frame_skip` frames and the rewards
       summed. The observation is the pixel-wise maximum of the last two frames, because the Atari
-      draws some sprites only on every other frame and one frame alone can miss them.
+      draws some sprites only on every other frame and one frame alone can miss them. A step of one
+      frame (`--frame-skip 1`) is that frame alone, as in gymnasium's `AtariPreprocessing` and
+      ale-py's vector env.
     * **Grey, small, stacked.** The pooled frame is converted to luminance (the ALE's own palette
       conversion), shrunk to 84 x 84 with area averaging, and stacked with the three before it, so
       the network can see motion. Frames stay `uint8`, channels first; the newest is last.
@@ -305,13 +307,12 @@ class Game:
             if self.ale.game_over():
                 self.ale.reset_game()
         self.score = 0.0
+        self.ale.getScreenGrayscale(self.screens[1])  # the game's first frame: both screens, until it moves on
+        self.screens[0] = self.screens[1]
         if self.fire is not None:
             self.score += self._play(self.fire)
             if self.ale.game_over():
                 return self.reset()
-        else:
-            self.ale.getScreenGrayscale(self.screens[0])
-            self.screens[1] = self.screens[0]
         self.lives = self.ale.lives()
         self.length = self.ale.getEpisodeFrameNumber()
         self._observe(new_game=True)
@@ -344,7 +345,7 @@ class Game:
         return self.ale.getScreenRGB()
 
     def _play(self, action: ale_py.Action) -> float:
-        """Repeat `action` for `frame_skip` frames; leave the last two frames in `screens`."""
+        """Repeat `action` for `frame_skip` frames; leave the step's last two frames in `screens`."""
         points = 0.0
         for frame in range(self.frame_skip):
             points += self.ale.act(action)
@@ -358,6 +359,8 @@ class Game:
                 if frame < self.frame_skip - 2:
                     self.screens[0] = self.screens[1]
                 break
+        if self.frame_skip == 1:  # a step of one frame has no second to pool with
+            self.screens[0] = self.screens[1]
         return points
 
     def _observe(self, new_game: bool) -> None:

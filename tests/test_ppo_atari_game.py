@@ -17,8 +17,9 @@ def bare_ale(env_id: str, seed: int, max_frames: int = 108_000):
 
 
 def reference_frame(screens: list[np.ndarray]) -> np.ndarray:
-    """Max of the last two grey screens, shrunk with area averaging: the DQN preprocessing."""
-    pooled = np.maximum(screens[-2], screens[-1])
+    """Max of a step's last two grey screens (its one, with a frame skip of 1), shrunk with area
+    averaging: the DQN preprocessing."""
+    pooled = np.max(screens[-2:], axis=0)
     return cv2.resize(pooled, (84, 84), interpolation=cv2.INTER_AREA)
 
 
@@ -30,26 +31,27 @@ def play_by_hand(ale, action, frames: int = 4) -> list[np.ndarray]:
     return screens
 
 
-def test_observation_is_max_of_last_two_frames_stacked_newest_last(breakout_id):
-    game = ppo_atari.Game(breakout_id, seed=11, noop_max=0)
+@pytest.mark.parametrize("frame_skip", [4, 1])
+def test_observation_is_max_of_last_two_frames_stacked_newest_last(breakout_id, frame_skip):
+    game = ppo_atari.Game(breakout_id, seed=11, noop_max=0, frame_skip=frame_skip)
     ale = bare_ale(breakout_id, seed=11)
     game.reset()
     ale.reset_game()
-    # Breakout needs FIRE to start, and the wrapper presses it as one 4-frame step.
-    first = reference_frame(play_by_hand(ale, game.actions[1]))
+    # Breakout needs FIRE to start, and the wrapper presses it as one step of `frame_skip` frames.
+    first = reference_frame(play_by_hand(ale, game.actions[1], frame_skip))
     expected = np.stack([first] * 4)
     np.testing.assert_array_equal(game.obs, expected)
 
     rng = np.random.default_rng(0)
     pooling_mattered = lives_lost = False
-    for _ in range(120):
+    for _ in range(480 // frame_skip):  # 480 frames, in which a life is lost
         action = int(rng.integers(game.n_actions))
         previous = game.obs.copy()
         step = game.step(action)
-        screens = play_by_hand(ale, game.actions[action])
-        if step.terminated:
-            # A lost life: the wrapper serves the next ball (FIRE, 4 frames) within the same step.
-            screens = play_by_hand(ale, game.actions[1])
+        screens = play_by_hand(ale, game.actions[action], frame_skip)
+        if step.terminated and not step.game_over:
+            # A lost life: the wrapper serves the next ball (FIRE, one step's frames) within the same step.
+            screens = play_by_hand(ale, game.actions[1], frame_skip)
             lives_lost = True
         frame = reference_frame(screens)
         expected = np.concatenate([expected[1:], frame[None]])
@@ -60,8 +62,25 @@ def test_observation_is_max_of_last_two_frames_stacked_newest_last(breakout_id):
         if step.game_over:
             break
     # The moving ball makes the max of two frames differ from the last one alone, so the test
-    # above would catch a wrapper that did not pool.
-    assert pooling_mattered and lives_lost
+    # above would catch a wrapper that did not pool (or, with one frame a step, one that did).
+    assert pooling_mattered == (frame_skip > 1) and lives_lost
+
+
+def test_with_one_frame_a_step_a_game_without_fire_sees_each_frame_alone():
+    # Ms. Pac-Man starts without FIRE, from the frame `reset` grabs; with one frame a step, no
+    # screen of an earlier step may linger in the pool (one did: the first frame, in every step).
+    env_id = "ALE/MsPacman-v5"
+    game = ppo_atari.Game(env_id, seed=3, noop_max=0, frame_skip=1)
+    ale = bare_ale(env_id, seed=3)
+    game.reset()
+    ale.reset_game()
+    assert game.fire is None
+    rng = np.random.default_rng(0)
+    for t in range(300):
+        action = int(rng.integers(game.n_actions))
+        game.step(action)
+        np.testing.assert_array_equal(game.obs[-1], reference_frame(play_by_hand(ale, game.actions[action], 1)),
+                                      err_msg=f"step {t}")
 
 
 def test_obs_dtype_and_shape(breakout_id):
