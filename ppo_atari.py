@@ -130,7 +130,7 @@ class Config:
     |-|-|-|-|-|
     | `num_envs` x `num_steps` | 8 x 128 | 8 actors x horizon 128 | 8 x 128 | Everyone's |
     | `learning_rate` | $2.5 \cdot 10^{-4}$, annealed linearly: update $k$ of $N$ uses $(1 - k/N)$ of it, the last $1/N$ | $\alpha \cdot 2.5 \cdot 10^{-4}$, with $\alpha$ annealed from 1 to 0 over the run | $2.5 \cdot 10^{-4}$, annealed as ours | Everyone's; "to 0" is where the line would reach after the last update |
-    | `clip_range` | 0.1, annealed as the learning rate | $\alpha \cdot 0.1$ | 0.1, constant | The paper's and OpenAI baselines' (`cliprange=lambda f: f * 0.1`) |
+    | `clip_range` | 0.1, annealed as the learning rate | $\alpha \cdot 0.1$ | 0.1, constant | The paper's, and OpenAI baselines' until 2019 (`cliprange=lambda f : f * 0.1` in `ppo2/defaults.py`; its last version, of February 2019, keeps 0.1 constant) |
     | `update_epochs` | 4 | 3 | 4 | baselines' and CleanRL's |
     | `num_minibatches` | 4, of 256 transitions | minibatches of 32 x 8 = 256 | 4, of 256 | The same size everywhere |
     | `gamma` | 0.99 | 0.99 | 0.99 | Everyone's |

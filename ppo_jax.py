@@ -165,7 +165,7 @@ from tensorboard.summary.writer import event_file_writer
 # | `total_timesteps` | 500,000 | 500,000 | 500,000 | 10M (Atari) | the learning test's four agents all end at 475 or more |
 # | `num_envs` x `num_steps` | 4 x 128 | 4 x 128 | 4 x 128 | 8 x 128 | PureJaxRL's and CleanRL's |
 # | `learning_rate` | 2.5e-4, annealed | 2.5e-4, annealed | 2.5e-4, annealed | 2.5e-4 x $\alpha$ | theirs |
-# | `clip_range` $\epsilon$ | 0.2, annealed | 0.2, constant | 0.2, constant | 0.1 x $\alpha$ | annealed as the paper's $\epsilon$, baselines' for Atari and `ppo_atari.py`'s are; PureJaxRL and CleanRL keep it constant |
+# | `clip_range` $\epsilon$ | 0.2, annealed | 0.2, constant | 0.2, constant | 0.1 x $\alpha$ | annealed as the paper's $\epsilon$ and `ppo_atari.py`'s are (and baselines' for Atari until 2019); PureJaxRL, CleanRL and baselines' last version keep it constant |
 # | `update_epochs` | 4 | 4 | 4 | 3 | PureJaxRL's and CleanRL's |
 # | `num_minibatches` | 4 (of 128) | 4 | 4 | 4 (of 32 x 8 = 256) | theirs |
 # | `gamma`, `gae_lambda`, `ent_coef` | 0.99, 0.95, 0.01 | the same | the same | the same | all agree |
@@ -1329,8 +1329,9 @@ class RunConfig(AtariConfig):
 
 
 # Each kind of environment starts from its own settings; classic control's are the defaults above.
-# Atari's are baselines' (`ppo2`) Atari defaults, which are also `ppo_atari.py`'s: 8 games, a clip
-# range of 0.1 annealed, 10M steps, and otherwise the defaults above. CleanRL's `ppo_atari.py` has
+# Atari's are baselines' (`ppo2`) Atari defaults as they stood until 2019, which are also
+# `ppo_atari.py`'s: 8 games, a clip range of 0.1 annealed (baselines' last version, of February
+# 2019, keeps it constant), 10M steps, and otherwise the defaults above. CleanRL's `ppo_atari.py` has
 # the same numbers but keeps its clip range constant; the PPO paper's Table 5 has 3 epochs and a
 # value coefficient of 1. MinAtar's are the settings of PureJaxRL's MinAtar example
 # (`examples/brax_minatar.ipynb`, which says they were briefly tuned for gymnax's MinAtar games): 64
