@@ -143,7 +143,7 @@ class Config:
 
     | setting | ours | Spinning Up's VPG | PPO paper, MuJoCo (Table 3) | CleanRL `ppo_continuous_action` | why ours |
     |-|-|-|-|-|-|
-    | `num_envs` x `num_steps` | 8 x 32 = 256 | 4,000 | 2,048 (horizon $T$) | 1 x 2,048 | One policy step per batch, so the batch size decides how often the policy moves. HalfCheetah-v5, seed 1, after 300k steps: batches of 2,048 reached 368, of 512 1,875, of 256 2,950; after 1M, 512 reached 3,161 and 256 3,954 |
+    | `num_envs` x `num_steps` | 8 x 32 = 256 | 4,000 | 2,048 (horizon $T$) | 1 x 2,048 | One policy step per batch, so the batch size decides how often the policy moves. HalfCheetah-v5, seed 1, after 300k steps: batches of 2,048 reached 368, of 512 1,875, of 256 2,950; after 1M, 512 reached 3,161 and 256 3,954 (the tuning runs of c219e2d, `benchmarks/README.md`) |
     | `learning_rate` (policy) | $10^{-3}$, annealed linearly: $1/N$ of it at the last of $N$ updates | $3 \cdot 10^{-4}$, constant | $3 \cdot 10^{-4}$ | $3 \cdot 10^{-4}$, annealed the same way | With batches of 2,048, $3 \cdot 10^{-3}$ reached 621 at 300k where $10^{-3}$ reached 368: a larger step helps a little, more steps (smaller batches) far more |
     | `value_learning_rate` | $10^{-3}$, annealed the same way | $10^{-3}$, constant | one Adam for both | one Adam for both | Spinning Up's; a network of its own gets a rate of its own |
     | `gamma` | 0.99 | 0.99 | 0.99 | 0.99 | Everyone's |
@@ -151,7 +151,7 @@ class Config:
     | `value_epochs` x `num_minibatches` | 10 x 4 (40 steps on 64 transitions) | 80 steps on the whole batch | 10 epochs, minibatches of 64, shared with the policy | 10 x 32, shared with the policy | Ours, not tuned: enough for the value function to catch up with the policy before the next batch's advantages rest on it |
     | `vf_coef` | 0.5, on the mean squared error | none (an optimiser of its own) | irrelevant (no shared parameters) | 0.5, on half the squared error | CleanRL's number. Under Adam a constant factor on a loss hardly changes its step; it decides how soon the value's clip at `max_grad_norm` bites |
     | `ent_coef` | 0 | none | 0 (no entropy bonus) | 0 | Everyone's for these tasks |
-    | `max_grad_norm`, `clip_each_network` | 0.5, on the joint gradient of policy and value | none | none | 0.5, on the joint gradient of actor and critic | Chosen on whole runs, HalfCheetah-v5 to 1M steps on seeds 1 to 3 (`benchmarks/results/halfcheetah-defaults.csv`): the joint clip with the plain reward scaler reached 2,871 (2,707, 2,673, 3,234); each network clipped apart, with the scaler's prior and clip, 2,267 (1,650, 2,811, 2,339); no clip, with the prior and clip, 1,824 (1,556, 2,884, 1,031). Those three ran the script of commit 30d4d64; with this page's code (fused Adam, which rounds a little differently) the chosen pair reached 3,049 (3,570, 2,484, 3,093). Clipped jointly, a value function far off its targets shrinks the policy's step (see `Trainer.gradient_step`), yet it learned best |
+    | `max_grad_norm`, `clip_each_network` | 0.5, on the joint gradient of policy and value | none | none | 0.5, on the joint gradient of actor and critic | Chosen on whole runs, HalfCheetah-v5 to 1M steps on seeds 1 to 3 (`benchmarks/results/halfcheetah-defaults.csv`): the joint clip with the plain reward scaler reached 2,871 (2,707, 2,673, 3,234); each network clipped apart, with the scaler's prior and clip, 2,267 (1,650, 2,811, 2,339); no clip, with the prior and clip, 1,824 (1,556, 2,884, 1,031). The first ran the script of commit 40422bc, the other two that of 30d4d64; with this page's code (fused Adam, which rounds a little differently) the chosen pair reached 3,049 (3,570, 2,484, 3,093). Clipped jointly, a value function far off its targets shrinks the policy's step (see `Trainer.gradient_step`), yet it learned best |
     | `normalize_observations` | on, clipped to $\pm 10$ | off | not said | on, clipped to $\pm 10$ | Without it, HalfCheetah-v5 (seed 1) reached 3,014 instead of 3,954 |
     | `normalize_rewards`, `reward_prior_and_clip` | on (divided by the return's running spread), with no prior and no clip | off | not said | on, clipped to $\pm 10$ | Without it, 1,133 instead of 3,954 on seed 1 (an earlier version): it mattered more than the observations (see `RewardScaler`). Its prior and clip were chosen off on the whole runs of the row above; give them to a run of one env, whose first returns have no spread |
     | `state_dependent_std` | off: one learned $\log \sigma$, starting at $\sigma \approx 0.69$ | off, $\log \sigma = -0.5$ at the start | off | off, $\log \sigma = 0$ at the start | Level with a $\sigma(s)$ head in return, and far steadier (see `GaussianPolicy`) |
@@ -368,16 +368,16 @@ class GaussianPolicy(nn.Module):
       the same in every state, as in Spinning Up, OpenAI baselines and CleanRL.
 
     **Which one, and why.** The returns do not pick a winner. After 1M steps (the mean return of the
-    last 20 episodes), HalfCheetah-v5 reached 3,954, 2,352 and 1,777 on seeds 1 to 3 with the
-    learned log-std and 2,651, 1,553 and 2,966 with the head; Hopper-v5 reached 1,158 and 1,608 on
-    seeds 1 and 2 with the learned log-std and 1,867 and 1,038 with the head. Seeds differ more
-    than the two designs do. What differs is how steadily the policy learns. With the head, single
-    updates moved the policy by up to 0.16 to 0.35 in KL divergence on HalfCheetah (0.05 on Hopper)
-    against at most 0.011 (0.019) with the learned log-std, and on HalfCheetah the entropy fell from
-    6.3 nats at the start to 0.7, 4.0 and -1.3 by the end, where the learned log-std kept 5.1 to
-    5.4. With batches of 512 (HalfCheetah, seed 1) that collapse cost the head the run: 1,143
-    against 3,161. So the default is the learned log-std, the steadier of two equals;
-    `--state-dependent-std` switches.
+    last 20 episodes, with the code of c219e2d; `benchmarks/README.md`), HalfCheetah-v5 reached
+    3,954, 2,352 and 1,777 on seeds 1 to 3 with the learned log-std and 2,651, 1,553 and 2,966 with
+    the head; Hopper-v5 reached 1,158 and 1,608 on seeds 1 and 2 with the learned log-std and 1,867
+    and 1,038 with the head. Seeds differ more than the two designs do. What differs is how steadily
+    the policy learns. With the head, single updates moved the policy by up to 0.16 to 0.35 in KL
+    divergence on HalfCheetah (0.05 on Hopper) against at most 0.011 (0.019) with the learned
+    log-std, and on HalfCheetah the entropy fell from 6.3 nats at the start to 0.7, 4.0 and -1.3 by
+    the end, where the learned log-std kept 5.1 to 5.4. With batches of 512 (HalfCheetah, seed 1)
+    that collapse cost the head the run: 1,143 against 3,161. So the default is the learned log-std,
+    the steadier of two equals; `--state-dependent-std` switches.
 
     Why a head collapses: the gradient of $\log \pi$ with respect to $\log \sigma_j$ is
     $z_j^2 - 1$, with $z_j = (a_j - \mu_j) / \sigma_j$, so wherever samples near the mean happened
@@ -482,10 +482,11 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.
     `next_values[t]` is $V(s_{t+1})$, the value of the observation that step $t$ led to. Where the
     episode went on, that is `values[t + 1]` (or the value of the observation after the rollout).
     Where step $t$ ended an episode, the observation the workers returned is already the first of
-    the next one, so the caller supplies the value of the episode's *final* observation instead.
+    the next one: where it was truncated, the caller supplies the value of the episode's *final*
+    observation instead; where it terminated, the value there is multiplied by 0 (below).
 
-    **Why termination and truncation stay apart.** A termination (the hopper fell, the pendulum
-    dropped) means there is no future: the value after it is 0 and is not bootstrapped. A
+    **Why termination and truncation stay apart.** A termination (the hopper fell, the inverted
+    pendulum toppled) means there is no future: the value after it is 0 and is not bootstrapped. A
     truncation (the 1,000-step limit of MuJoCo tasks) means only that we stopped watching: the
     cheetah would have gone on running, so $\delta_t$ bootstraps from $V$ of the final
     observation, while the sum over later TD errors is still cut, since those belong to the next
@@ -610,8 +611,9 @@ def explained_variance(predictions: torch.Tensor, targets: torch.Tensor) -> floa
 # learns poorly from inputs whose scales differ by orders of magnitude, so each observation is
 # standardised with the running mean and variance of all observations seen so far. Rewards are
 # divided by a running estimate of the scale of the return, so that the value function regresses to
-# targets of about unit size whatever the task's reward scale. Both statistics belong to the policy
-# as much as its weights do: they are saved in the checkpoint and used, frozen, at evaluation.
+# targets of about unit size whatever the task's reward scale. Both statistics are saved in the
+# checkpoint with the weights. The observations' belong to the policy as much as its weights do and
+# are used, frozen, at evaluation; the rewards' serve only the training.
 
 
 class RunningMeanStd:
@@ -899,8 +901,8 @@ class Trainer:
             if self.reward_scaler is not None:
                 rewards = self.reward_scaler(rewards, step.terminated | step.truncated)
             storage.rewards[t], storage.terminated[t], storage.truncated[t] = rewards, step.terminated, step.truncated
-            # A truncated episode's final observation is normalised with today's statistics, like
-            # the observation it stands in for.
+            # A truncated episode's final observation is normalised with the statistics as they
+            # stand, before this step's observations join them; it never joins them itself.
             truncations += [(t, env, self.obs_normalizer(step.final_obs[env])) for env in np.flatnonzero(step.truncated)]
             self.finished_episodes += step.finished_episodes
             self._observe(step.obs)
@@ -932,10 +934,11 @@ class Trainer:
         The joint clip (CleanRL's, whose actor and critic share an optimizer) lets a value function
         far off its targets shrink the policy's gradient with its own: in
         `tests/test_vpg_continuous_trainer.py`, a value 300 off its targets shrank the policy's
-        gradient to 1/500 of its norm and its step, after Adam, to 1/8, where a clip of each network
-        apart left it as it was. Yet over whole runs the joint clip learned better: HalfCheetah-v5
-        at 1M steps, 2,871 against 2,267 (seeds 1 to 3; the table under `Config`). Early in a run
-        the joint clip damps the policy's first, noisiest steps too, which may be what pays.
+        gradient to about 1/100 of its norm and its step, after Adam, to about a quarter, where a
+        clip of each network apart left it as it was. Yet over whole runs the joint clip learned
+        better: HalfCheetah-v5 at 1M steps, 2,871 against 2,267 (seeds 1 to 3; the table under
+        `Config`). Early in a run the joint clip damps the policy's first, noisiest steps too, which
+        may be what pays.
 
         The refusal waits for nothing: fused Adam takes no step while its `found_inf` is 1 (the
         hook that `torch.amp.GradScaler` uses to skip steps), and the flag, once raised, stays
@@ -1090,8 +1093,8 @@ def run_worker(connection: Connection, env_id: str, seeds: np.ndarray, first_env
                blocks: dict[str, tuple], max_episode_steps: int | None, make_task=Task) -> None:
     """The loop of one worker process: it steps envs `first_env, first_env + 1, ...`.
 
-    It answers each command from the main process (`reset`, `step`, `close`) with `ok` once the
-    arrays of its envs are written, or with `error` and its traceback.
+    It answers the main process's `reset` and `step` with `ok` once the arrays of its envs are
+    written, or with `error` and its traceback; on `close` it returns, closing its envs.
     """
     for signum in STOP_SIGNALS:  # the main process's to answer, even when sent to the whole process group
         signal.signal(signum, signal.SIG_IGN)
@@ -1373,8 +1376,9 @@ NUMBER_RULES = [
 
 def check_config(config: RunConfig) -> None:
     """Refuse settings that cannot work, before any process starts."""
-    # Every number first: a NaN passes every comparison below unnoticed, and an inf, or a number
-    # past float32's largest (the network computes in float32), fails only at the first update.
+    # Every number first: a NaN fails the rules below only as a number out of range would ("must be
+    # positive, not nan"), and an inf, or a number past float32's largest (the network computes in
+    # float32), may pass them and fail only at the first update.
     for name, value in vars(config).items():
         if isinstance(value, float) and not abs(value) <= torch.finfo(torch.float32).max:
             raise ConfigError(f"{flag(name)} must be a finite number in float32's range (to 3.4e38), not {value}")
@@ -1447,22 +1451,23 @@ def parse_config(argv: list[str] | None) -> tuple[RunConfig, dict | None]:
 def choose_device(requested: str, local_rank: int = 0) -> torch.device:
     r"""The device the networks run on; and one thread for torch, for the whole process.
 
-    `auto` is the CPU even where CUDA exists. At each sampling step the two networks see a batch
-    of `num_envs` observations while the envs wait for the actions; on the 2-core CPU this page was
-    measured on, that forward pass took 0.13 to 0.3 ms on one thread. It is a dozen small
-    operations, each of which would be a kernel launch of several microseconds on a GPU. An update
-    is 41 gradient steps (one on the batch of 256, forty on minibatches of 64), about 23 ms in all
-    on an AMD EPYC, and the updates are half of a run's time (89 s of the 2.8 minutes of 1M steps;
-    the README has the command), again bound by the overhead per operation rather than by
+    `auto` is the CPU even where CUDA exists. At each sampling step the two networks see a batch of
+    `num_envs` observations while the envs wait for the actions; on the 2-core CPU the first version
+    of this page was measured on, that forward pass took 0.13 to 0.3 ms on one thread. It is a dozen
+    small operations, each of which would be a kernel launch of several microseconds on a GPU. An
+    update is 41 gradient steps (one on the batch of 256, forty on minibatches of 64), about 23 ms
+    in all on an AMD EPYC, and the updates are half of a run's time (89 s of the 2.8 minutes of 1M
+    steps; the README has the command), again bound by the overhead per operation rather than by
     arithmetic. So there is little for a GPU to win at these sizes; `--device cuda` is for forks
     with much larger batches or networks, and there the rollout crosses to the GPU once each way per
     step and an update waits for it once (Part 1). (No GPU was at hand to time the crossover for
     this page.) Under torchrun, `cuda` gives each rank the GPU of its `LOCAL_RANK`.
 
     One thread, because the networks are too small to share out, and the idle threads of a parallel
-    section spin on cores the workers need. A step of value fitting (a minibatch of 64) took 1.5 ms
-    on one thread and 11 to 22 ms on two, measured on a 2-core machine with other work running. On a
-    GPU the host's share is launching kernels and GAE.
+    section spin on cores the workers need. On the first version of this page, a step of value
+    fitting (a minibatch of 64) took 1.5 ms on one thread and 11 to 22 ms on two, on a 2-core machine
+    with other work running (today's update takes about 0.6 ms a step on an idle one). On a GPU the
+    host's share is launching kernels and GAE.
     """
     if requested == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for, but torch finds no CUDA device")
@@ -2019,9 +2024,9 @@ def train(config: RunConfig, env_id: str, spaces: EnvSpaces, checkpoint: dict | 
 #
 # `--track` sends the run to Weights & Biases, as CleanRL does. wandb mirrors every TensorBoard
 # event the run writes from `wandb.init` on (`sync_tensorboard`), so the tags are the same in both;
-# with `--capture-video`, training sends each video as its game ends, and `--eval` its own. wandb is
-# optional, imported only for `--track`, and `WANDB_MODE=offline` keeps a run on disk for a later
-# `wandb sync`.
+# with `--capture-video`, training sends each video at the end of the update that finished it, and
+# `--eval` its own. wandb is optional, imported only for `--track`, and `WANDB_MODE=offline` keeps a
+# run on disk for a later `wandb sync`.
 
 
 def import_wandb():

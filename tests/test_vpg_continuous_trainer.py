@@ -127,8 +127,8 @@ def test_a_large_value_error_leaves_the_policy_step_unchanged():
     # The same trainer and rollout twice, once with the value network's output shifted by 300 after
     # the rollout, so that the advantages (from the rollout's values) are the same and only the
     # value loss of the policy-gradient step grows. With `clip_each_network` each network's gradient
-    # is clipped on its own, so the policy must take the same step. (Under the default clip of the
-    # joint norm the policy's gradient shrank to 1/500 of its norm, and its step, after Adam, to 1/8.)
+    # is clipped on its own, so the policy must take the same step (under the default joint clip it
+    # does not: the next test).
     policies, value_losses, value_gradients = [], [], []
     for shift in [0.0, 300.0]:
         torch.manual_seed(0)
@@ -147,6 +147,31 @@ def test_a_large_value_error_leaves_the_policy_step_unchanged():
     for name, tensor in policies[0].items():
         torch.testing.assert_close(policies[1][name], tensor, rtol=1e-6, atol=1e-7)
     assert value_gradients[1] == pytest.approx(vpg.Config.max_grad_norm)  # the value's own clip
+
+
+def test_under_the_joint_clip_a_large_value_error_shrinks_the_policy_step():
+    # The same two updates with the default clip, of the policy's and the value's gradients together:
+    # the value's large gradient takes most of the norm, and the policy's share shrinks with it.
+    gradients, steps = [], []
+    for shift in [0.0, 300.0]:
+        torch.manual_seed(0)
+        trainer = vpg.Trainer(small_config(normalize_rewards=False), ScriptedEnvs(), torch.device("cpu"))
+        assert not trainer.config.clip_each_network
+        rollout = trainer.collect_rollout()
+        with torch.no_grad():
+            trainer.value.head.bias += shift
+        before = [p.detach().clone() for p in trainer.policy.parameters()]
+        norms = []  # the policy's clipped gradient at the one step that moves it (the value's have none)
+        trainer.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: norms.extend(
+            [torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))]
+            if trainer.policy.log_std.grad is not None else []))
+        trainer.update_policy(rollout)
+        assert len(norms) == 1
+        gradients.append(norms[0].item())
+        steps.append(torch.linalg.vector_norm(torch.cat([(p - b).flatten() for p, b in
+                                                         zip(trainer.policy.parameters(), before)])).item())
+    # On this rollout: the gradient to about 1/100 of its norm, the step (after Adam) to about 1/4.
+    assert gradients[1] < gradients[0] / 50 and steps[1] < steps[0] / 2, (gradients, steps)
 
 
 def test_update_follows_the_schedule_and_resumes_on_it():
