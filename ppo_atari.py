@@ -478,7 +478,8 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.
     `next_values[t]` is $V(s_{t+1})$, the value of the observation that step $t$ led to. Where the
     game went on, that is simply `values[t + 1]` (or the value of the observation after the rollout).
     Where step $t$ ended a game, the observation the workers returned is already the first of the
-    next game, so the caller supplies the value of the game's *final* observation instead.
+    next game: where it was truncated, the caller supplies the value of the game's *final*
+    observation instead; where it terminated, the value there is multiplied by 0 (below).
 
     **Why termination and truncation stay apart.** A termination (game over, a lost life) means
     there is no future: the value after it is 0 and is not bootstrapped. A truncation (the frame cap)
@@ -947,8 +948,8 @@ def run_worker(connection: Connection, make_env, env_id: str, seeds: np.ndarray,
                blocks: dict[str, tuple], game_options: dict) -> None:
     """The loop of one worker process: it plays games `first_env, first_env + 1, ...`, made by `make_env`.
 
-    It answers each command from the main process (`reset`, `step`, `close`) with `ok` once the
-    arrays of its games are written, or with `error` and its traceback.
+    It answers the main process's `reset` and `step` with `ok` once the arrays of its games are
+    written, or with `error` and its traceback; on `close` it returns.
     """
     for signum in STOP_SIGNALS:  # the main process's to answer, even when sent to the whole process group
         signal.signal(signum, signal.SIG_IGN)
@@ -1125,8 +1126,8 @@ class Workers:
 #   it, on a 2-core EPYC, the network's call aside; `benchmarks/throughput.py --part host`).
 # * While the games are sampled, torch computes on one thread. A batch of 8 observations gains
 #   little from more, and the threads of a parallel section keep spinning for a while after it ends,
-#   on the very cores the workers need to step their games: sampling ran 25% slower on a CPU, and on
-#   an H200 the games took 0.44 s instead of 0.23 s per 1,024 steps. The update keeps every thread.
+#   on the very cores the workers need to step their games: on an H200 the games took 0.44 s instead
+#   of 0.23 s per 1,024 steps (`benchmarks/README.md`). The update keeps every thread.
 # * On CUDA, the rollout's host arrays are pinned (page-locked), so that the GPU's copy engine reads
 #   them by itself; cuDNN and cuBLAS may use TF32; and `sample_actions` is replayed from a CUDA
 #   graph: one launch for its few dozen small kernels, whose launches cost more than their work
@@ -1459,8 +1460,9 @@ NUMBER_RULES = [
 
 def check_config(config: RunConfig) -> None:
     """Refuse settings that cannot work, before any process starts."""
-    # Every number first: a NaN passes every comparison below unnoticed, and an inf, or a number
-    # past float32's largest (the network computes in float32), fails only at the first update.
+    # Every number first: a NaN fails the rules below only as a number out of range would ("must be
+    # positive, not nan"), and an inf, or a number past float32's largest (the network computes in
+    # float32), may pass them and fail only at the first update.
     for name, value in vars(config).items():
         if isinstance(value, float) and not abs(value) <= torch.finfo(torch.float32).max:
             raise ConfigError(f"{flag(name)} must be a finite number in float32's range (to 3.4e38), not {value}")
@@ -2074,9 +2076,9 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
 #
 # `--track` sends the run to Weights & Biases, as CleanRL does. wandb mirrors every TensorBoard
 # event the run writes from `wandb.init` on (`sync_tensorboard`), so the tags are the same in both;
-# with `--capture-video`, training sends each video as its game ends, and `--eval` its own. wandb is
-# optional, imported only for `--track`, and `WANDB_MODE=offline` keeps a run on disk for a later
-# `wandb sync`.
+# with `--capture-video`, training sends each video at the end of the update that finished it, and
+# `--eval` its own. wandb is optional, imported only for `--track`, and `WANDB_MODE=offline` keeps a
+# run on disk for a later `wandb sync`.
 
 
 def import_wandb():
@@ -2537,10 +2539,10 @@ class DataParallelTrainer(Trainer):
 class DataParallelRunTrainer(DataParallelTrainer, RunTrainer):
     """What each rank of a real run trains with: the ranks of this part on Part 3's `RunTrainer`.
 
-    Its methods are looked up in this order: `DataParallelTrainer`, `RunTrainer`, Part 1's
-    `Trainer`. So the ranks' means of what an update measured are taken after `RunTrainer` has
-    timed the update; a diverged update is refused on every rank alike, since their gradients and
-    weights are the same.
+    Its methods are looked up in this order: `DataParallelTrainer`, `RunTrainer`, Part 2's
+    `FastSamplingTrainer`, Part 1's `Trainer`. So the ranks' means of what an update measured are
+    taken after `RunTrainer` has timed the update; a diverged update is refused on every rank alike,
+    since their gradients and weights are the same.
     """
 
     cuda_graph_update = False  # a step's exchanges between the ranks are not captured
