@@ -190,7 +190,7 @@ class Config:
     max_episode_frames: int = 108_000
     """Frames after which a game is cut (a truncation): 30 minutes of play at 60 frames a second."""
     seed: int = 1
-    """Seeds torch, numpy and every game (each game gets its own seed derived from this)."""
+    """Seeds torch and every game (each game gets its own seed derived from this)."""
 
     @property
     def batch_size(self) -> int:
@@ -381,7 +381,9 @@ def make_env(env_id: str, seed: int, options: dict, obs: np.ndarray | None = Non
     in place, in the array `obs` when one is given), `n_actions`, `reset()`, `step(action)` returning
     a `Transition`, and `render()`. The shapes of the frames and of the network follow from it, so a
     fork that trains on another task with pixels and discrete actions changes this function and the
-    wrapper it returns, and nothing else (the tests train a small gymnasium task this way).
+    wrapper it returns, and nothing else in Parts 1 and 2 (the tests train a small gymnasium task
+    this way); Part 3's command line knows Atari's names, and sizes its memory check by `Game`'s
+    frames.
     """
     return Game(env_id, seed, obs=obs, **options)
 
@@ -892,9 +894,10 @@ class Trainer:
 #
 # ### The workers
 #
-# One emulator plays about 2,500 agent steps a second on one core, and the network wants a batch
-# from many games at every step. `Workers` runs the games in other processes, several per process,
-# and drives them over `Pipe`s as in labml's original design. Three choices make it fast and safe:
+# One emulator plays about 2,600 agent steps a second on one core (5,288 on 2 cores of an AMD EPYC,
+# the README's throughput table), and the network wants a batch from many games at every step.
+# `Workers` runs the games in other processes, several per process, and drives them over `Pipe`s as
+# in labml's original design. Three choices make it fast and safe:
 #
 # * **Everything travels through shared memory.** Each worker writes its games' observations,
 #   rewards and episode ends straight into arrays the main process reads; the pipe carries only a
@@ -1324,7 +1327,7 @@ class FastSamplingTrainer(Trainer):
         Autocast casts the float32 weights again at every step: 8 of a step's 37 ATen calls. Cast
         once a rollout, choosing actions for 8 games took 0.178 s per 1,024 steps instead of 0.222,
         and training ran at 1,012 steps/s instead of 971, on 2 cores of an AMD EPYC
-        (`benchmarks/throughput.py --precision bf16 --baseline`; `benchmarks/README.md` has the
+        (`benchmarks/throughput.py --precision bf16 --baseline COPY`; `benchmarks/README.md` has the
         runs). The weights are the same numbers, and autocast leaves them as they are: the rollout
         computes what it did, bit for bit.
         """
