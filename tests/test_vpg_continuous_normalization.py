@@ -96,6 +96,26 @@ def test_rewards_are_divided_by_the_spread_of_the_discounted_return():
     assert scaler.stats.count == 1 + 6
 
 
+def test_the_plain_scaler_the_default_has_no_prior_and_no_clip():
+    # Returns 1 and 3 in two envs: mean 2, variance 1, so the rewards come out as they went in; one
+    # env's first return alone has variance 0, and its reward is multiplied by 1/sqrt(1e-8), unclipped.
+    assert not vpg.Config.reward_prior_and_clip
+    scaler = vpg.RewardScaler(num_envs=2, gamma=0.9, prior_and_clip=False)
+    np.testing.assert_allclose(scaler(np.array([1.0, 3.0]), np.zeros(2, bool)), [1.0, 3.0], rtol=1e-6)
+    assert scaler.stats.count == 2
+    alone = vpg.RewardScaler(num_envs=1, gamma=0.9, prior_and_clip=False)
+    assert alone(np.array([1.0]), np.zeros(1, bool))[0] == pytest.approx(1e4)
+
+
+def test_a_truncated_episode_restarts_the_return_of_the_trainers_scaler():
+    # HalfCheetah's episodes only ever end truncated: the discounted return must restart there too.
+    # One env paying 1 a step, truncated at step 3 of 6: the return is that of the last three steps.
+    trainer = vpg.Trainer(vpg.Config(num_envs=1, num_steps=6, total_timesteps=6), ScriptedEnvs(num_envs=1,
+                          truncate_at={0: [3]}), torch.device("cpu"))
+    trainer.collect_rollout()
+    assert trainer.reward_scaler.returns[0] == pytest.approx(1 + 0.99 + 0.99 ** 2)
+
+
 @pytest.mark.parametrize("reward", [1.0, -0.3, 7.0, 1e6])
 def test_the_first_reward_of_one_env_is_not_blown_up(reward):
     # One env's first return alone has variance 0: without the prior its reward would be divided

@@ -1,5 +1,6 @@
 """The networks and the trainer's plumbing in vpg_continuous.py, on scripted envs."""
 
+import copy
 import math
 
 import numpy as np
@@ -213,6 +214,62 @@ def test_a_nan_stops_the_update_and_names_it():
         trainer.update_policy(rollout)
     for (name, key), tensor in before.items():  # no step was taken
         torch.testing.assert_close(networks[name].state_dict()[key], tensor, equal_nan=True, rtol=0, atol=0)
+
+
+def test_an_infinite_gradient_stops_the_update_too(monkeypatch):
+    # One infinite entry in the policy's gradient, with everything else finite: refused as a NaN is.
+    compute_gradients = vpg.Trainer.compute_gradients
+
+    def infinite_once(self, loss, parameters):
+        compute_gradients(self, loss, parameters)
+        if self.policy.log_std.grad is not None:  # the policy's step, the update's first
+            self.policy.log_std.grad[0] = math.inf
+
+    monkeypatch.setattr(vpg.Trainer, "compute_gradients", infinite_once)
+    trainer = vpg.Trainer(small_config(), ScriptedEnvs(), torch.device("cpu"))
+    before = copy.deepcopy(trainer.policy.state_dict())
+    with pytest.raises(vpg.NonFiniteError, match="gradient became NaN or infinite in update 1"):
+        trainer.update_policy(trainer.collect_rollout())
+    for key, tensor in before.items():
+        torch.testing.assert_close(trainer.policy.state_dict()[key], tensor, rtol=0, atol=0)
+
+
+def test_the_policy_step_sees_standardised_advantages_and_the_value_fits_the_returns(monkeypatch):
+    # What the update's two halves are given. The policy's loss: the advantages standardised over
+    # the batch. Each of the value's minibatch steps: vf_coef x the mean squared error to the GAE
+    # returns over its minibatch, the minibatches of an epoch splitting the batch between them (the
+    # order of each epoch's shuffle is the test's).
+    torch.manual_seed(0)
+    config = small_config(value_epochs=2, num_minibatches=3, vf_coef=0.25)
+    trainer = vpg.Trainer(config, ScriptedEnvs(truncate_at={1: [3]}), torch.device("cpu"))
+    rollout = trainer.collect_rollout()
+    advantages, returns = vpg.compute_gae(rollout.rewards, rollout.values, rollout.next_values, rollout.terminated,
+                                          rollout.truncated, config.gamma, config.gae_lambda)
+    obs, returns = rollout.obs.flatten(0, 1), returns.flatten()
+    orders = [torch.randperm(config.batch_size) for _ in range(config.value_epochs)]
+    monkeypatch.setattr(torch, "randperm", lambda n, **kwargs: orders[len(seen) // config.num_minibatches])
+    given, seen = [], []
+    vpg_loss = vpg.vpg_loss
+    monkeypatch.setattr(vpg, "vpg_loss", lambda log_probs, old, advantages, *rest: given.append(advantages) or
+                        vpg_loss(log_probs, old, advantages, *rest))
+    gradient_step = vpg.Trainer.gradient_step
+
+    def value_step(self, loss, networks):
+        if networks == [self.value]:
+            epoch, k = divmod(len(seen), config.num_minibatches)
+            batch = orders[epoch][k * config.minibatch_size:(k + 1) * config.minibatch_size]
+            with torch.no_grad():
+                expected = 0.25 * (self.value(obs[batch]) - returns[batch]).pow(2).mean()
+            seen.append((loss.item(), expected.item()))
+        gradient_step(self, loss, networks)
+
+    monkeypatch.setattr(vpg.Trainer, "gradient_step", value_step)
+    trainer.update_policy(rollout)
+    flat = advantages.flatten()
+    torch.testing.assert_close(given[0], (flat - flat.mean()) / flat.std())
+    assert len(seen) == config.value_epochs * config.num_minibatches
+    for loss, expected in seen:
+        assert loss == pytest.approx(expected, rel=1e-6)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
