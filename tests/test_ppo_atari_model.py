@@ -237,6 +237,71 @@ def a_nan_stops_the_update(trainer: ppo_atari.Trainer) -> None:
         torch.testing.assert_close(tensor, before[name], equal_nan=True, rtol=0, atol=0)  # no step was taken
 
 
+def test_a_nan_in_one_minibatch_refuses_the_rest_of_the_update():
+    # A NaN in the first minibatch's gradient only, the later ones finite: the flag it raised stays.
+    class OneNaN(ppo_atari.Trainer):
+        def compute_gradients(self, loss):
+            super().compute_gradients(loss)
+            self.calls = getattr(self, "calls", 0) + 1
+            if self.calls == 1:
+                self.model.value.weight.grad[0, 0] = float("nan")
+
+    torch.manual_seed(0)
+    trainer = OneNaN(small_config(), ScriptedEnv(), torch.device("cpu"))
+    before = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
+    with pytest.raises(ppo_atari.NonFiniteError, match="update 1"):
+        trainer.update_policy(trainer.collect_rollout())
+    assert trainer.calls == small_config().num_minibatches * small_config().update_epochs
+    for name, tensor in trainer.model.state_dict().items():
+        torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)
+
+
+def test_each_minibatch_sees_its_own_standardised_advantages_and_the_rollouts_values(monkeypatch):
+    # The advantages are standardised within each minibatch, as CleanRL does; the value loss is
+    # clipped around the values the rollout recorded, also in the second epoch, when the network
+    # has moved. Adam's epsilon is CleanRL's 1e-5.
+    seen = []
+    ppo_loss = ppo_atari.ppo_loss
+    monkeypatch.setattr(ppo_atari, "ppo_loss", lambda log_probs, old_log_probs, advantages, values, old_values, *rest:
+                        seen.append((advantages, old_values)) or
+                        ppo_loss(log_probs, old_log_probs, advantages, values, old_values, *rest))
+    torch.manual_seed(0)
+    config = small_config(num_steps=8, num_minibatches=4, learning_rate=1e-2)
+    trainer = ppo_atari.Trainer(config, ScriptedEnv(truncate_at={1: 3}), torch.device("cpu"))
+    assert trainer.optimizer.defaults["eps"] == 1e-5
+    rollout = trainer.collect_rollout()
+    recorded = rollout.values.flatten().sort().values
+    trainer.update_policy(rollout)
+    assert len(seen) == config.num_minibatches * config.update_epochs
+    for advantages, _ in seen:
+        assert advantages.numel() == config.minibatch_size
+        assert abs(advantages.mean().item()) < 1e-5 and advantages.std().item() == pytest.approx(1.0, abs=1e-4)
+    second_epoch = torch.cat([old_values for _, old_values in seen[config.num_minibatches:]])
+    torch.testing.assert_close(second_epoch.sort().values, recorded)
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e9, 1e-3])
+def test_each_minibatch_step_starts_from_zero_gradients_and_clips_their_norm(max_grad_norm):
+    # The same minibatch twice, at a learning rate of 0: the same gradients, not twice them; and
+    # their norm at most `max_grad_norm`.
+    torch.manual_seed(0)
+    trainer = ppo_atari.Trainer(small_config(learning_rate=0.0, max_grad_norm=max_grad_norm), ScriptedEnv(),
+                                torch.device("cpu"))
+    rollout = trainer.collect_rollout()
+    advantages, returns = ppo_atari.compute_gae(rollout.rewards, rollout.values, rollout.next_values,
+                                                rollout.terminated, rollout.truncated, 0.99, 0.95)
+    batch = ppo_atari.Batch(*(x.flatten(0, 1) for x in (rollout.obs, rollout.actions, rollout.log_probs,
+                                                         rollout.values, advantages, returns)))
+    gradients = []
+    for _ in range(2):
+        trainer.minibatch_step(batch, torch.arange(6), 0.1)
+        gradients.append([parameter.grad.clone() for parameter in trainer.model.parameters()])
+    for first, second in zip(*gradients):
+        torch.testing.assert_close(second, first)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gradients[0]]))
+    assert norm <= max_grad_norm * (1 + 1e-5) and (max_grad_norm < 1 or norm > 1e-3)
+
+
 def test_target_kl_stops_the_update_early():
     torch.manual_seed(0)
     config = small_config(learning_rate=0.05, target_kl=1e-6, update_epochs=8)
@@ -248,9 +313,10 @@ def test_target_kl_stops_the_update_early():
 def test_target_kl_is_checked_after_each_epoch_as_cleanrl_does():
     # The first minibatch sees the policy that sampled the batch (KL 0); every later one a moved
     # policy, beyond a tiny target. CleanRL finishes the epoch and then stops: one step of Adam per
-    # minibatch of the first epoch, and no more. (A check per minibatch would stop after one step.)
+    # minibatch of the first epoch, and no more. (A check per minibatch would stop after the second
+    # of the four.)
     torch.manual_seed(0)
-    config = small_config(learning_rate=0.05, target_kl=1e-6, update_epochs=8)
+    config = small_config(num_steps=8, num_minibatches=4, learning_rate=0.05, target_kl=1e-6, update_epochs=8)
     trainer = ppo_atari.Trainer(config, ScriptedEnv(), torch.device("cpu"))
     stats = trainer.update_policy(trainer.collect_rollout())
     steps = {int(state["step"]) for state in trainer.optimizer.state.values()}
