@@ -229,6 +229,68 @@ def test_target_kl_skips_the_epochs_after_the_one_that_went_too_far(target_kl, s
     assert math.isfinite(float(metrics["losses"]["policy_loss"]))
 
 
+def small_update(config, rollout):
+    """One `update_agent` of a CartPole-sized MLP on `rollout`: the agent after it and its metrics."""
+    network = ppo_jax.MLPActorCritic(2)
+    params = network.init(jax.random.key(0), jnp.zeros((1, 4)))
+    optimizer = ppo_jax.make_optimizer(config)
+    update_agent = jax.jit(ppo_jax.make_update_agent(network, optimizer, config))
+    return update_agent(ppo_jax.Agent(params, optimizer.init(params)), rollout, jax.random.key(1), 1e-3, 0.2)
+
+
+def random_rollout(old_log_probs=None, shape=(8, 2)):
+    rng = np.random.default_rng(0)
+    return ppo_jax.Rollout(jnp.asarray(rng.normal(size=shape + (4,)), jnp.float32),
+                           jnp.asarray(rng.integers(0, 2, shape), jnp.int32),
+                           jnp.full(shape, -0.69) if old_log_probs is None else old_log_probs,
+                           jnp.zeros(shape), jnp.zeros(shape), jnp.asarray(rng.normal(size=shape) * 3 + 1, jnp.float32),
+                           jnp.zeros(shape, bool), jnp.zeros(shape, bool))
+
+
+def test_advantages_are_standardised_within_each_minibatch(monkeypatch):
+    # The loss reports the mean and the spread of the advantages it was given: 0 and 1 in each of
+    # four minibatches (standardised over the whole batch instead, a minibatch's mean is not 0).
+    ppo_loss = ppo_jax.ppo_loss
+
+    def reporting(*args, **kwargs):
+        terms, advantages, valid = ppo_loss(*args, **kwargs), args[2], (args[9:] or [kwargs.get("valid")])[0]
+        return {**terms, "mean": jnp.abs(ppo_jax.masked_mean(advantages, valid)),
+                "spread": jnp.abs(jnp.sqrt(ppo_jax.masked_mean(advantages ** 2, valid)) - 1.0)}
+
+    monkeypatch.setattr(ppo_jax, "ppo_loss", reporting)
+    config = ppo_jax.Config(num_envs=2, num_steps=8, num_minibatches=4, update_epochs=1, total_timesteps=160)
+    _, metrics = small_update(config, random_rollout())
+    assert float(metrics["losses"]["mean"]) < 1e-5 and float(metrics["losses"]["spread"]) < 1e-4
+
+
+def test_target_kl_reads_the_kl_of_the_epochs_last_minibatch(monkeypatch):
+    # A stand-in KL: the mean of -old_log_prob over the minibatch, whose entries are 0 and 1 half and
+    # half. Over an epoch it averages exactly 0.5, under the target of 0.5005; the last minibatch
+    # of some epoch is above it, and the update stops there (an epoch's mean would never stop it).
+    ppo_loss = ppo_jax.ppo_loss
+
+    def stand_in_kl(*args, **kwargs):
+        valid = (args[9:] or [kwargs.get("valid")])[0]
+        return {**ppo_loss(*args, **kwargs), "approx_kl": ppo_jax.masked_mean(-args[1], valid)}
+
+    monkeypatch.setattr(ppo_jax, "ppo_loss", stand_in_kl)
+    config = ppo_jax.Config(num_envs=2, num_steps=8, num_minibatches=2, update_epochs=4, total_timesteps=160,
+                            target_kl=0.5005)
+    old_log_probs = jnp.asarray(np.arange(16).reshape(8, 2) % 2, jnp.float32) * -1.0
+    _, metrics = small_update(config, random_rollout(old_log_probs))
+    assert bool(metrics["stopped_early"])
+
+
+def test_the_loss_clips_at_the_clip_range_it_is_given_not_the_configs():
+    # The clip range is annealed, and the loss is given the one of its update: 0.1 here, where the
+    # config says 0.2. A ratio of 1.15 is clipped at 1.1, a value 0.15 from the old one at 0.1.
+    config = ppo_jax.Config(clip_range=0.2)
+    one = jnp.ones(1)
+    terms = ppo_jax.ppo_loss(jnp.log(one * 1.15), one * 0, one, one * 0.15, one * 0, one, one * 0, 0.1, config)
+    assert float(terms["policy_loss"]) == pytest.approx(-1.1, rel=1e-5)
+    assert float(terms["value_loss"]) == pytest.approx(0.5 * 0.9 ** 2, rel=1e-5)
+
+
 class Flattened(typing.NamedTuple):
     """A network that takes each image flattened into a vector, and reshapes it for `network`."""
 
@@ -332,6 +394,16 @@ def test_cnns_with_patch_conv_are_the_cnns_with_nn_conv(network, obs):
 def orthogonal_with_gain(matrix: np.ndarray, gain: float) -> bool:
     gram = matrix.T @ matrix if matrix.shape[0] >= matrix.shape[1] else matrix @ matrix.T
     return np.allclose(gram, gain ** 2 * np.eye(len(gram)), atol=1e-5)
+
+
+@pytest.mark.parametrize("network, obs", [(ppo_jax.MLPActorCritic(3), (4,)), (ppo_jax.MinAtarActorCritic(6), (10, 10, 4))])
+def test_every_kernel_but_the_heads_has_gain_sqrt_2(network, obs):
+    # The test below finds each layer's gain among three; here each hidden layer's must be sqrt(2).
+    params = jax.jit(network.init)(jax.random.key(0), jnp.zeros((1,) + obs))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        name = jax.tree_util.keystr(path)
+        if "kernel" in name and "'policy'" not in name and "'value'" not in name:
+            assert orthogonal_with_gain(np.asarray(leaf).reshape(-1, leaf.shape[-1]), math.sqrt(2)), name
 
 
 @pytest.mark.parametrize("network, obs", [(ppo_jax.MLPActorCritic(3), (4,)),

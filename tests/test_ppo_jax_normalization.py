@@ -193,6 +193,45 @@ CARTPOLE_LOSSES = {
 }
 
 
+def short_episodes(env: str, max_steps: int, num_steps: int = 8):
+    """One rollout of 4 envs whose episodes are cut at `max_steps`: the config, runner, rollout and episodes."""
+    config = ppo_jax.Config(env=env, num_envs=4, num_steps=num_steps)
+    training = ppo_jax.make_train(config)
+    training.env.params = training.env.params.replace(max_steps_in_episode=max_steps)
+    runner = jax.jit(training.init)(jax.random.key(0))
+    runner, rollout, episodes = jax.jit(training.collect)(runner)
+    return config, runner, rollout, episodes
+
+
+@pytest.mark.parametrize("env", ["CartPole-v1", "Pendulum-v1"])
+def test_next_values_are_the_values_of_the_observation_each_step_led_to(env):
+    # Episodes of 5 steps, all truncated at step 5: elsewhere a step's next value is the next step's
+    # value; there it is the value of the final observation (normalised, on Pendulum), not that of
+    # the next episode's first.
+    _, _, rollout, _ = short_episodes(env, max_steps=5)
+    done = np.asarray(rollout.terminated | rollout.truncated)[:-1]
+    assert rollout.truncated[4].all() and not done[:4].any()
+    next_values, following = np.asarray(rollout.next_values[:-1]), np.asarray(rollout.values[1:])
+    np.testing.assert_allclose(next_values[~done], following[~done], rtol=1e-5, atol=1e-5)
+    assert np.all(np.abs(next_values[done] - following[done]) > 1e-4)
+
+
+def test_the_normaliser_sees_the_raw_rewards_restarts_at_truncation_and_scales_the_learned_ones():
+    # Pendulum's episodes only ever end truncated: its discounted return must restart there. The
+    # raw rewards come back from the episodes' returns; the learned ones are scaled and clipped.
+    config, runner, rollout, (ended, returns, _) = short_episodes("Pendulum-v1", max_steps=5)
+    ended, returns = np.asarray(ended), np.asarray(returns)
+    previous = np.vstack([np.zeros((1, 4)), np.where(ended[:-1], 0.0, returns[:-1])])
+    raw = returns - previous
+    discounted = np.zeros(4)
+    for t in range(len(raw)):
+        discounted = config.gamma * discounted + raw[t]
+        discounted[ended[t]] = 0.0
+    np.testing.assert_allclose(runner.normalizer.discounted_returns, discounted, rtol=1e-4, atol=1e-5)
+    scaled = np.clip(raw[-1] / float(runner.normalizer.returns.std()), -10, 10)
+    np.testing.assert_allclose(rollout.rewards[-1], scaled, rtol=1e-4, atol=1e-5)
+
+
 def test_discrete_actions_are_learned_from_raw_observations_and_rewards_as_before():
     config = ppo_jax.Config(num_envs=4, num_steps=32, num_minibatches=2, update_epochs=2, total_timesteps=3 * 128)
     training = ppo_jax.make_train(config)
