@@ -104,6 +104,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -1846,7 +1847,7 @@ def log_chunk(run: Run, metrics: dict, episodes: jax.Array, count: int, first_up
         low, high = counted.min(), counted.max()
         run.progress.score = (f"{np.nanmean(metrics['recent_return'][-1][episodes > 0]):.1f} (mean of last "
                               f"{low if low == high else f'{low}-{high}'} {run.progress.unit})")
-    with run.signals.writing:
+    with run.signals.held():
         run.progress.show(int(steps[-1]))
 
 
@@ -1895,7 +1896,10 @@ def read_agent_series(path: str | Path) -> dict[str, np.ndarray]:
 # is aborted: the main thread, just done with the checkpoint the abort waited for, would otherwise
 # print "stopped at update K" after it, while the thread waits for Python's lock to exit. So one
 # lock, `writing`, is held for a checkpoint's write and for every line the run prints after
-# training begins, and the thread takes it to abort and never lets go.
+# training begins, and the thread takes it to abort and never lets go. A lock is no queue: the main
+# thread, letting go of it after a checkpoint, could take it again for its last line before the
+# thread waiting on it woke (a loaded CI machine did). So a signal heard waits in `heard`, and
+# whichever thread takes the lock next answers it first, the main thread too.
 
 
 class Signals:
@@ -1904,11 +1908,13 @@ class Signals:
     Once `training` is set, the first signal becomes `requested`: the run stops at its next safe
     point. Any other ends the process at once, naming `last_checkpoint()`, once `writing` is free: a
     checkpoint being written is whole, and a line being printed ends before the abort's, the last.
+    Whichever thread takes `writing` next (through `held`) answers the signals heard meanwhile.
     """
 
     def __init__(self):
         self.requested, self.training, self.closing, self.writing = None, False, False, threading.Lock()
         self.last_checkpoint: Callable[[], Path | None] = lambda: None
+        self.heard: collections.deque[int] = collections.deque()
 
     def __enter__(self) -> Signals:
         hangup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN else []  # `nohup` ignores it
@@ -1922,7 +1928,16 @@ class Signals:
 
     def listen(self) -> None:
         while (signum := os.read(self.pipe[0], 1)[0]) != 0:  # a zero byte: `__exit__` asks the thread to end
-            with self.writing:  # between two lines of the run; to abort, never let go: nothing is printed after its line
+            self.heard.append(signum)
+            with self.held():
+                pass
+
+    @contextlib.contextmanager
+    def held(self):
+        """`writing`, between two lines of the run, once the signals heard are answered."""
+        with self.writing:
+            while self.heard:  # to abort, never let go: nothing is printed after the abort's line
+                signum = self.heard.popleft()
                 if self.closing:  # the run has printed its last line: nothing is left to stop
                     continue
                 if self.training and self.requested is None:
@@ -1935,6 +1950,7 @@ class Signals:
                       f"; {f'the last checkpoint is {last}' if last else 'no checkpoint was written'}",
                       file=sys.stderr, flush=True)
                 os._exit(128 + signum)
+            yield
 
     def __exit__(self, *exc_info) -> None:
         signal.set_wakeup_fd(self.wakeup)
@@ -2089,7 +2105,7 @@ class Run:
         arrays = [leaf for leaf in jax.tree.leaves(state) if isinstance(leaf, np.ndarray)]
         if not all(np.isfinite(array).all() for array in arrays if np.issubdtype(array.dtype, np.inexact)):
             raise DivergedError(f"the state of update {state['update']} holds NaN or infinite numbers, and was not saved")
-        with self.signals.writing:  # a second Ctrl-C meanwhile takes effect once the checkpoint is whole
+        with self.signals.held():  # a second Ctrl-C meanwhile takes effect once the checkpoint is whole
             save_checkpoint(state, self.checkpoint_path)
 
 
@@ -2202,7 +2218,7 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
                         run.tracking.log({"videos": [import_wandb().Video(str(path), format="mp4") for path in videos]})
     except (DivergedError, OSError) as error:  # the logging thread is done, so that this is the last line
         last = run.last_checkpoint()
-        with signals.writing:
+        with signals.held():
             signals.closing = True  # the run's last line: a signal now finds nothing to stop
             if isinstance(error, DivergedError):
                 print(f"\n{error}; " + (f"the last good checkpoint is {last}" if last else "no checkpoint was written"),
@@ -2211,7 +2227,7 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
                 print(f"\n{PROG}: error: {unwritten(error)}; "
                       + (f"the last checkpoint is {last}" if last else "none was written"), file=sys.stderr)
         return 1
-    with signals.writing:  # the run's last lines: a signal that comes now, or after, finds nothing to stop
+    with signals.held():  # the run's last lines: a signal that comes now, or after, finds nothing to stop
         signals.closing = True
         run.progress.show(update * config.batch_size, final=True)
         if signals.requested and update < config.num_updates:  # one heard in the last chunk found nothing to stop

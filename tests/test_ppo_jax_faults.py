@@ -572,6 +572,24 @@ def test_a_run_that_outlives_its_terminal_trains_on(environment, tmp_path):
     assert read_checkpoint(tmp_path / "checkpoint.msgpack")["global_step"] == 512
 
 
+def test_a_second_signal_heard_is_answered_by_whichever_thread_takes_the_lock_first(monkeypatch, capsys):
+    # The race of the test below, decided by hand: the thread that heard a second Ctrl-C has not yet
+    # taken `writing` when the main thread takes it for its last line. The main thread aborts then.
+    def exit_now(status):
+        raise SystemExit(status)
+
+    monkeypatch.setattr(os, "_exit", exit_now)
+    signals = ppo_jax.Signals()
+    signals.training, signals.requested = True, signal.SIGINT
+    signals.last_checkpoint = lambda: "run/checkpoint.msgpack"
+    signals.heard.append(signal.SIGINT)
+    with pytest.raises(SystemExit) as exited:
+        with signals.held():
+            print("stopped at update 7; resume with --resume run/checkpoint.msgpack", file=sys.stderr)
+    assert exited.value.code == 130 and not signals.heard
+    assert capsys.readouterr().err.strip() == "aborted by a second interrupt; the last checkpoint is run/checkpoint.msgpack"
+
+
 @pytest.mark.parametrize("moment", ["saving", "closing"])
 def test_a_second_ctrl_c_while_saving_or_closing_aborts_naming_a_whole_checkpoint(moment, environment, tmp_path):
     # The first Ctrl-C stops training; the second comes while the final checkpoint is written, or while the
@@ -580,7 +598,9 @@ def test_a_second_ctrl_c_while_saving_or_closing_aborts_naming_a_whole_checkpoin
     # had ended and the run had exited. The second is sent once the first is heard: two sent at once may reach the
     # process as one (a pending signal is not queued twice), as they could when the write held was a periodic
     # checkpoint begun before the first. (Once in four suite runs the main thread's "stopped at update 1000" came
-    # after the abort's line, which the thread had printed but not yet exited on; `Signals.writing` now orders them.)
+    # after the abort's line, which the thread had printed but not yet exited on; `Signals.writing` now orders them.
+    # Once more, on a loaded machine, the main thread took `writing` back for its last line before the thread that
+    # heard the second Ctrl-C woke: the test above decides that race by hand.)
     held = "ppo_jax.save_checkpoint" if moment == "saving" else "ppo_jax.EventWriter.close"
     release = tmp_path.parent / f"{tmp_path.name}-release"
     code = HOLD + f"""import pathlib
