@@ -352,14 +352,12 @@ class Game:
             if frame >= self.frame_skip - 2:
                 self.ale.getScreenGrayscale(self.screens[frame - self.frame_skip + 2])
             if self.ale.game_over():
-                # The game ended before the last frame: the screens not yet grabbed would be stale,
-                # so the final frame stands in for them.
-                if frame < self.frame_skip - 1:
-                    self.ale.getScreenGrayscale(self.screens[1])
-                if frame < self.frame_skip - 2:
-                    self.screens[0] = self.screens[1]
                 break
-        if self.frame_skip == 1:  # a step of one frame has no second to pool with
+        # A screen this step did not grab would be stale, and the final frame stands in for it: the
+        # game ended before the step's last frames, or a step of one frame has no second to pool.
+        if frame < self.frame_skip - 1:
+            self.ale.getScreenGrayscale(self.screens[1])
+        if frame < self.frame_skip - 2 or self.frame_skip == 1:
             self.screens[0] = self.screens[1]
         return points
 
