@@ -280,6 +280,21 @@ def test_each_minibatch_sees_its_own_standardised_advantages_and_the_rollouts_va
     torch.testing.assert_close(second_epoch.sort().values, recorded)
 
 
+def test_the_logged_explained_variance_is_of_the_rollouts_values_against_its_returns():
+    # The rollout's values predict the returns; the other way round the measure divides by the
+    # values' variance instead and reads differently on any batch whose two variances differ.
+    torch.manual_seed(0)
+    config = small_config(num_steps=8)
+    trainer = ppo_atari.Trainer(config, ScriptedEnv(truncate_at={1: 3}), torch.device("cpu"))
+    rollout = trainer.collect_rollout()
+    _, returns = ppo_atari.compute_gae(rollout.rewards, rollout.values, rollout.next_values, rollout.terminated,
+                                       rollout.truncated, config.gamma, config.gae_lambda)
+    values, returns = rollout.values.flatten(), returns.flatten()
+    assert values.var().item() != pytest.approx(returns.var().item(), rel=0.1)
+    expected = 1 - ((returns - values).var() / returns.var()).item()
+    assert trainer.update_policy(rollout)["explained_variance"] == pytest.approx(expected, rel=1e-5)
+
+
 @pytest.mark.parametrize("max_grad_norm", [1e9, 1e-3])
 def test_each_minibatch_step_starts_from_zero_gradients_and_clips_their_norm(max_grad_norm):
     # The same minibatch twice, at a learning rate of 0: the same gradients, not twice them; and

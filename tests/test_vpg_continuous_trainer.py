@@ -124,6 +124,21 @@ def test_an_update_takes_one_policy_step_and_fits_the_value_in_minibatches():
     assert adam_steps(trainer.optimizer, trainer.policy.parameters()) == {2}
 
 
+def test_the_logged_explained_variance_is_of_the_rollouts_values_against_its_returns():
+    # The rollout's values predict the returns; the other way round the measure divides by the
+    # values' variance instead and reads differently on any batch whose two variances differ.
+    torch.manual_seed(0)
+    config = small_config(num_steps=8)
+    trainer = vpg.Trainer(config, ScriptedEnvs(), torch.device("cpu"))
+    rollout = trainer.collect_rollout()
+    _, returns = vpg.compute_gae(rollout.rewards, rollout.values, rollout.next_values, rollout.terminated,
+                                 rollout.truncated, config.gamma, config.gae_lambda)
+    values, returns = rollout.values.flatten(), returns.flatten()
+    assert values.var().item() != pytest.approx(returns.var().item(), rel=0.1)
+    expected = 1 - ((returns - values).var() / returns.var()).item()
+    assert trainer.update_policy(rollout)["explained_variance"] == pytest.approx(expected, rel=1e-5)
+
+
 def test_a_large_value_error_leaves_the_policy_step_unchanged():
     # The same trainer and rollout twice, once with the value network's output shifted by 300 after
     # the rollout, so that the advantages (from the rollout's values) are the same and only the
