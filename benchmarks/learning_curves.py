@@ -143,7 +143,10 @@ took to reach that step.
   first update at or past it), one decimal; empty where the run has not reached it.
 
 The curve at a step depends only on the events logged up to it, so a CSV remade after the runs are
-resumed to a larger budget holds the same values at the steps the two grids share.
+resumed to a larger budget holds the same values at the steps the two grids share. A CSV remade
+from runs keeps the columns of the CSV already there that no run here replaces, when the two grids
+are the same: seed 1 trained on one machine and seed 2 on another (`--seeds 2` into its own
+`--runs`) end in one CSV, and a seed whose runs are gone is not lost.
 """
 
 from __future__ import annotations
@@ -1492,6 +1495,32 @@ def report(task: Task, curve: Curve, peers: dict[str, Curve] | None = None) -> N
             print(f"    {peer_label(name, peer)}: {peer.mean[reached[-1]]:.1f} at step {peer.steps[reached[-1]]:,}")
 
 
+def kept_columns(curve: Curve, csv_path: Path) -> Curve:
+    """`curve` with the columns of the CSV already there that it has no run of: a seed trained on
+    another machine, or whose runs are gone, keeps its curve when another seed's is added. Only on
+    the same grid of steps (the same `--budget` and `--points`); otherwise the CSV is replaced, as
+    it always is for the curves read from runs."""
+    try:
+        old = read_csv(csv_path)
+    except UsageError as error:
+        print(f"{error}; it is replaced", file=sys.stderr)
+        return curve
+    missing = [name for name in old.scores if name not in curve.scores]
+    if not missing:
+        return curve
+    if old.steps != curve.steps:
+        print(f"{csv_path}: its steps are not this curve's (another --budget or --points); its "
+              f"{', '.join(missing)} not kept", file=sys.stderr)
+        return curve
+    print(f"{csv_path}: no runs of {', '.join(missing)} here; kept from the CSV", file=sys.stderr)
+    names = sorted([*curve.scores, *missing], key=lambda name: [int(n) for n in re.findall(r"\d+", name)])
+    scores = {name: curve.scores[name] if name in curve.scores else old.scores[name] for name in names}
+    seconds = {name: curve.seconds[name] if name in curve.seconds else old.seconds[name] for name in names}
+    mean = [mean_of([scores[name][i] for name in names], [seconds[name][i] for name in names])
+            for i in range(len(curve.steps))]
+    return Curve(curve.steps, scores, seconds, mean)
+
+
 def draw(task: Task, args: argparse.Namespace, runs: Path, results: Path, suite: bool) -> Curve | None:
     """The CSV of a task from its runs (or, without runs, the CSV already there), its plots, and its
     report. None for a suite's game that has neither."""
@@ -1503,6 +1532,8 @@ def draw(task: Task, args: argparse.Namespace, runs: Path, results: Path, suite:
     csv_path = results / f"{task.name}.csv"
     if records:
         curve = make_curve(records, task.budget, args.points, args.window)
+        if csv_path.exists():
+            curve = kept_columns(curve, csv_path)
         results.mkdir(parents=True, exist_ok=True)
         write_csv(curve, csv_path)
     elif csv_path.exists():

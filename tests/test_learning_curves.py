@@ -326,6 +326,32 @@ def test_a_run_that_logged_nothing_leaves_the_csv_there_as_it_is(tmp_path, capsy
     assert (results / "halfcheetah.csv").read_text() == written
 
 
+def test_a_seed_trained_elsewhere_joins_the_csv_and_a_seed_with_no_runs_here_keeps_its_column(tmp_path, capsys):
+    # Seed 1's runs on one machine, seed 2's on another: each CSV remade from runs once replaced the
+    # whole file, and the first seed's curve was gone with its runs.
+    results = tmp_path / "results"
+
+    def draw(seed, runs, budget="1000", scores=None):
+        write_sitting(runs / "halfcheetah" / f"seed-{seed}", counting_updates(1, 10, scores))
+        return curves.main(["halfcheetah", "--seeds", str(seed), "--budget", budget, "--points", "5", "--plot-only",
+                            "--runs", str(runs), "--results", str(results)])
+
+    assert draw(1, tmp_path / "one", scores=2.0) == 0
+    first = curves.read_csv(results / "halfcheetah.csv")
+    capsys.readouterr()
+    assert draw(2, tmp_path / "two", scores=4.0) == 0
+    assert f"{results / 'halfcheetah.csv'}: no runs of seed_1 here; kept from the CSV" in capsys.readouterr().err
+    both = curves.read_csv(results / "halfcheetah.csv")
+    assert list(both.scores) == ["seed_1", "seed_2"]
+    assert (both.scores["seed_1"], both.seconds["seed_1"]) == (first.scores["seed_1"], first.seconds["seed_1"])
+    assert both.scores["seed_2"] == [None, 4.0, 4.0, 4.0, 4.0]
+    assert both.mean == [None, 3.0, 3.0, 3.0, 3.0]
+    # Another grid of steps: the columns cannot be set side by side, and the CSV is the runs' alone.
+    assert draw(3, tmp_path / "three", budget="500") == 0
+    assert "its seed_1, seed_2 not kept" in capsys.readouterr().err
+    assert list(curves.read_csv(results / "halfcheetah.csv").scores) == ["seed_3"]
+
+
 def test_more_agents_than_ppo_jax_writes_events_for_are_refused(tmp_path, capsys):
     import ppo_jax
 
