@@ -66,14 +66,14 @@ last 100 episodes (28.8 to 75.2), against about 40 at the end of PureJaxRL's run
 the four together on 2 CPU cores. With the preset's former learning rate, 5e-4, three of the same
 four stalled at about 7 (Part 3, beside the presets).
 
-![ppo_jax.py on Atari Breakout, seeds 1 and 2 with the 10M-step schedule to 1M steps: the mean score of the last 100 games climbs from about 1 to 14.8 at 500k and 23.2 at 1M, the two seeds shaded between them; ppo_atari.py's mean over its seeds 1 and 2, 21.5 at 1M, is drawn dotted beside it, and CleanRL's 20 at 1M as a point](benchmarks/results/breakout-jax.png)
+![ppo_jax.py on Atari Breakout, seeds 1 and 2 with the 10M-step schedule to 2M steps: the mean score of the last 100 games climbs from about 1 to 15.9 at 500k, 24.0 at 1M and 56.9 at 2M, the two seeds shaded between them; ppo_atari.py's mean over its seeds 1 and 2, 46.5 at 2M, is drawn dotted beside it, and CleanRL's 20 at 1M and about 47.5 at 2M as points](benchmarks/results/breakout-jax.png)
 
-`python benchmarks/learning_curves.py breakout-jax --budget 1M --seeds 1 2` made the Atari curve:
-Breakout with every default, the 10M-step schedule stopped at 1M steps, seeds 1 and 2. It learns
-as `ppo_atari.py` does: the real scores of the last 100 whole games average 14.8 at 500k steps and
-23.2 at 1M (27.4 and 19.0), against 14.1 and 21.5 for `ppo_atari.py`'s two seeds and about 20 at
-1M for CleanRL (trained by an earlier version of this page, `benchmarks/README.md`). `python
-benchmarks/ppo_jax_speed.py --part atari`: 233 steps a second, `ppo_atari.py` 328 to 350 (2 AVX2 cores).
+`python benchmarks/learning_curves.py breakout-jax` made the Atari curve: Breakout with every
+default, the 10M-step schedule stopped at 2M steps, seeds 1 and 2. It learns at least as well as
+`ppo_atari.py`: the real scores of the last 100 whole games average 15.9 at 500k steps, 24.0 at
+1M and 56.9 at 2M (57.3 and 56.6), against 14.1, 21.5 and 46.5 for `ppo_atari.py`'s two seeds
+and about 20 at 1M and 47.5 at 2M for CleanRL. `python benchmarks/ppo_jax_speed.py --part
+atari`: 233 steps a second, `ppo_atari.py` 328 to 350 (2 AVX2 cores).
 
 Papers and projects: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); PureJaxRL, the whole run as one JAX program (Lu et al., 2022, "Discovered Policy
