@@ -250,6 +250,11 @@ CLEANRL_BREAKOUT = Anchor(
 TASKS = {task.name: task for task in [
     Task("breakout", "ppo_atari.py", "Breakout", schedule=10_000_000, budget=2_000_000, seeds=(1, 2),
          score="score", unit="games", anchors=(CLEANRL_BREAKOUT,)),
+    # `breakout` ran with `--precision auto`, which takes a bfloat16 torso on a CPU with AMX or AVX-512
+    # BF16 (both of its seeds did); this is the same run in float32, drawn beside it.
+    Task("breakout-fp32", "ppo_atari.py", "Breakout", schedule=10_000_000, budget=2_000_000, seeds=(1, 2),
+         flags=("--precision", "fp32"), score="score", unit="games", anchors=(CLEANRL_BREAKOUT,),
+         beside=("breakout",)),
     Task("halfcheetah", "vpg_continuous.py", "HalfCheetah-v5", schedule=1_000_000, budget=1_000_000, seeds=(1, 2, 3),
          anchors=(Anchor("rl-zoo A2C (HalfCheetah-v3, one run): 3,041 at 1M", ((1_000_000, 3041.2),), level=True),
                   Anchor("Spinning Up VPG (PyTorch, HalfCheetah-v3): ≈ 630 at 3M", ((3_000_000, 630.0),), level=True))),
