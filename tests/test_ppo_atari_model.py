@@ -80,8 +80,8 @@ def test_the_tuned_network_computes_what_the_plain_one_does(precision, tolerance
                                            ("avx2 avx512f avx512_bf16 amx_bf16 amx_tile", True),  # Xeon, AMX
                                            ("fpu sse avx2 fma", False), ("avx2 avx512f avx512bw", False)])
 def test_auto_precision_takes_bfloat16_where_the_cpu_computes_it_natively(flags, native):
-    # Measured on Breakout (`use_bf16`'s docstring): bfloat16 learns as float32 does and trains 1.6x
-    # faster with AMX, 1.46x with AVX-512 BF16; without either, float32.
+    # Measured on Breakout (`use_bf16`'s docstring): bfloat16 trains 1.6x faster with AMX, 1.46x with
+    # AVX-512 BF16; without either, float32. Whether it learns as well is open (the same docstring).
     cpuinfo = f"processor\t: 0\nflags\t\t: {flags}\n"
     assert ppo_atari.cpu_has_fast_bf16(cpuinfo) is native
 

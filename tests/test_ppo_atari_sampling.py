@@ -130,6 +130,25 @@ def test_a_bfloat16_rollout_on_a_cpu_casts_the_weights_once_and_computes_what_au
     assert trainer.model.torso is torso and trainer.model.state_dict()["torso.0.weight"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_update_starts_from_the_log_probabilities_the_rollout_stored(bf16):
+    # PPO's ratio is 1 before the update's first step: the network, on the rollout's frames in
+    # minibatches, gives back the log-probabilities and values that sampling stored, in bfloat16 too
+    # (the rollout samples with a cast copy of the torso, the update under autocast).
+    config = ppo_atari.Config(num_envs=8, num_steps=32, num_minibatches=4)
+    torch.manual_seed(0)
+    trainer = ppo_atari.FastSamplingTrainer(config, RandomFrames(8, 0), torch.device("cpu"), bf16=bf16)
+    rollout = trainer.collect_rollout()
+    obs, actions = rollout.obs.flatten(0, 1), rollout.actions.flatten()
+    with torch.no_grad():
+        for start in range(0, config.batch_size, config.minibatch_size):
+            part = slice(start, start + config.minibatch_size)
+            logits, values = trainer.model(obs[part])
+            log_probs = torch.distributions.Categorical(logits=logits).log_prob(actions[part])
+            torch.testing.assert_close(log_probs, rollout.log_probs.flatten()[part], rtol=0, atol=1e-6)
+            torch.testing.assert_close(values, rollout.values.flatten()[part], rtol=0, atol=1e-5)
+
+
 def test_the_update_reads_the_device_once_at_its_end():
     # The advantages and the explained variance are computed on the host, before the batch moves
     # to the device; from the first epoch on nothing reads a value back (`.item()`, the non-finite
