@@ -1165,10 +1165,10 @@ def use_bf16(precision: str, device: torch.device) -> bool:
     from, and `auto` keeps float32; on CUDA, `auto` keeps float32 and lets cuDNN and cuBLAS use TF32.
     The heads stay in float32, and the log-probabilities a rollout stores are those its update first
     computes (checked: apart by at most 1.2e-7), so the ratio PPO clips is not disturbed. Whether it
-    learns as well as float32 is open. On Breakout (the mean of the last 100 games) the two were
-    within the spread of seeds to 1M steps, but at 2M seed 1 scored 40.4 with the bfloat16 torso and
-    55.8 in float32, where seed 2 scored 52.6 in bfloat16 (`benchmarks/results/breakout.csv`,
-    `breakout-fp32.csv`); `--precision fp32` trains in float32 on any CPU.
+    learns as well as float32 is open. On Breakout, at 2M steps (the mean of the last 100 games),
+    seeds 1 and 2 scored 40.4 and 52.6 with the bfloat16 torso and 55.8 and 50.3 in float32
+    (`benchmarks/results/breakout.csv`, `breakout-fp32.csv`): the seeds overlap, the means differ
+    (46.5 and 53.0). `--precision fp32` trains in float32 on any CPU.
     """
     return device.type == "cpu" and cpu_has_fast_bf16() if precision == "auto" else precision == "bf16"
 
