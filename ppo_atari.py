@@ -1148,21 +1148,25 @@ class Workers:
 
 
 def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware: Intel's AMX (`amx_bf16`) or AVX-512 BF16
-    (`avx512_bf16`: AMD Zen 4 and later, some Intel Xeons), read from /proc/cpuinfo."""
+    """Whether this CPU trains faster in bfloat16, read from /proc/cpuinfo: where it has Intel's AMX
+    (`amx_bf16`), or AVX-512 BF16 (`avx512_bf16`) on an AMD CPU (Zen 4 and later). An Intel CPU
+    with AVX-512 BF16 but no AMX trained slower in bfloat16 (`use_bf16`), so it keeps float32."""
     with contextlib.suppress(OSError):
         cpuinfo = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
-    return bool(set((cpuinfo or "").split()) & {"amx_bf16", "avx512_bf16"})
+    words = set((cpuinfo or "").split())
+    return "amx_bf16" in words or {"avx512_bf16", "AuthenticAMD"} <= words
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:
     r"""Whether the torso runs in bfloat16.
 
-    The update dominates training on a CPU, and bfloat16 shortens it wherever the CPU computes in it
-    natively: the whole training step ran 1.6 times faster with AMX (an Intel Xeon) and 1.8 times
-    with AVX-512 BF16 (an AMD EPYC), `python benchmarks/throughput.py --part train --precision both`
-    (the runs are in the README). On a CPU with neither, bfloat16 has no hardware to gain
-    from, and `auto` keeps float32; on CUDA, `auto` keeps float32 and lets cuDNN and cuBLAS use TF32.
+    The update dominates training on a CPU, and bfloat16 shortens it where the CPU's bfloat16
+    products are fast: the whole training step ran 1.6 times faster with AMX (an Intel Xeon) and
+    1.8 times with AVX-512 BF16 on an AMD EPYC, `python benchmarks/throughput.py --part train
+    --precision both` (the runs are in the README). Having the instructions is not enough: on an
+    Intel Xeon with AVX-512 BF16 and no AMX, oneDNN ran its bfloat16 kernels and training was
+    slower, 0.92 times float32's speed at 8 games and 0.81 at 32. There, and on a CPU with neither,
+    `auto` keeps float32; on CUDA, `auto` keeps float32 and lets cuDNN and cuBLAS use TF32.
     The heads stay in float32, and the log-probabilities a rollout stores are those its update first
     computes (to 1e-6, a test checks), so the ratio PPO clips is not disturbed. Whether it
     learns as well as float32 is open. On Breakout, at 2M steps (the mean of the last 100 games),
@@ -1369,7 +1373,7 @@ class RunConfig(Config):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the network runs (`auto`: CUDA when there is one)."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """Arithmetic of the torso (`auto`: bfloat16 on a CPU with AMX or AVX-512 BF16, else float32, with TF32 on CUDA)."""
+    """Arithmetic of the torso (`auto`: bfloat16 with AMX or AMD's AVX-512 BF16, else float32; TF32 on CUDA)."""
     start_method: Literal["default", "fork", "spawn", "forkserver"] = "default"
     """How worker processes are started (`default`: the platform's own)."""
     run_dir: str | None = None
