@@ -1170,9 +1170,9 @@ def use_bf16(precision: str, device: torch.device) -> bool:
     The heads stay in float32, and the log-probabilities a rollout stores are those its update first
     computes (to 1e-6, a test checks), so the ratio PPO clips is not disturbed. Whether it
     learns as well as float32 is open. On Breakout, at 2M steps (the mean of the last 100 games),
-    seeds 1 and 2 scored 40.4 and 52.6 with the bfloat16 torso and 55.8 and 50.3 in float32
-    (`benchmarks/results/breakout.csv`, `breakout-fp32.csv`): the seeds overlap, the means differ
-    (46.5 and 53.0). `--precision fp32` trains in float32 on any CPU.
+    seeds 1 and 2 scored 40.4 and 52.6 with the bfloat16 torso, seeds 1 to 3 55.8, 50.3 and 58.0 in
+    float32 (`benchmarks/results/breakout.csv`, `breakout-fp32.csv`): the means differ (46.5 and
+    54.7), but bfloat16's seed 2 lies among float32's. `--precision fp32` trains in float32 on any CPU.
     """
     return device.type == "cpu" and cpu_has_fast_bf16() if precision == "auto" else precision == "bf16"
 

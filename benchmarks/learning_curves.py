@@ -252,7 +252,7 @@ TASKS = {task.name: task for task in [
          score="score", unit="games", anchors=(CLEANRL_BREAKOUT,)),
     # `breakout` ran with `--precision auto`, which takes a bfloat16 torso on a CPU with AMX, or with
     # AVX-512 BF16 from AMD (all of its seeds trained in bfloat16); this is the same run in float32.
-    Task("breakout-fp32", "ppo_atari.py", "Breakout", schedule=10_000_000, budget=2_000_000, seeds=(1, 2),
+    Task("breakout-fp32", "ppo_atari.py", "Breakout", schedule=10_000_000, budget=2_000_000, seeds=(1, 2, 3),
          flags=("--precision", "fp32"), score="score", unit="games", anchors=(CLEANRL_BREAKOUT,),
          beside=("breakout",)),
     Task("halfcheetah", "vpg_continuous.py", "HalfCheetah-v5", schedule=1_000_000, budget=1_000_000, seeds=(1, 2, 3),
