@@ -29,8 +29,9 @@ project's 2-core CPU, follow CleanRL's curve:
 
 ![ppo_atari.py on Breakout, seeds 1 and 2 with the 10M-step schedule to 2M steps: the mean score of the last 100 games climbs from about 1 to 21.5 at 1M and 46.5 at 2M, the two seeds shaded between them; CleanRL's curve, 20 at 1M and about 47.5 at 2M, is drawn as points](benchmarks/results/breakout.png)
 
-`python benchmarks/learning_curves.py breakout` made the curve: seeds 1 and 2 with every default
-(the bfloat16 torso, which `auto` picks on that CPU), the 10M-step schedule stopped at 2M steps.
+`python benchmarks/learning_curves.py breakout` made the curve: seeds 1 and 2 with the bfloat16
+torso (`auto` took it on that CPU; the task now asks for it, so that a seed added on another CPU
+trains alike) and every other default, the 10M-step schedule stopped at 2M steps.
 The mean real score of the last 100 games: 16.3 and 26.7 at 1M (CleanRL: about 20), 40.4 and 52.6
 at 2M (CleanRL: 45 to 50).
 

@@ -248,10 +248,11 @@ CLEANRL_BREAKOUT = Anchor(
     ((1_000_000, 20.0), (2_000_000, 47.5), (5_000_000, 200.0), (10_000_000, 414.7)))
 
 TASKS = {task.name: task for task in [
+    # `breakout`'s seeds 1 and 2 ran with `--precision auto` on an AMD CPU with AVX-512 BF16, where it
+    # takes the bfloat16 torso; the task names bfloat16, so that a seed added on any machine trains as
+    # they did. `breakout-fp32` is the same run in float32.
     Task("breakout", "ppo_atari.py", "Breakout", schedule=10_000_000, budget=2_000_000, seeds=(1, 2),
-         score="score", unit="games", anchors=(CLEANRL_BREAKOUT,)),
-    # `breakout` ran with `--precision auto`, which takes a bfloat16 torso on a CPU with AMX, or with
-    # AVX-512 BF16 from AMD (all of its seeds trained in bfloat16); this is the same run in float32.
+         flags=("--precision", "bf16"), score="score", unit="games", anchors=(CLEANRL_BREAKOUT,)),
     Task("breakout-fp32", "ppo_atari.py", "Breakout", schedule=10_000_000, budget=2_000_000, seeds=(1, 2, 3),
          flags=("--precision", "fp32"), score="score", unit="games", anchors=(CLEANRL_BREAKOUT,),
          beside=("breakout",)),
@@ -1267,7 +1268,7 @@ def y_label(task: Task, window: int) -> str:
 
 def peer_label(name: str, peer: Curve) -> str:
     task = TASKS.get(name)
-    script = f"{task.script} ({name})" if task else name
+    script = f"{task.script} ({' '.join((name, *task.flags))})" if task else name  # the flags say its precision
     count, kind = len(peer.scores), "agents" if any("_agent_" in name for name in peer.scores) else "seeds"
     return f"{script}, mean over {count} {kind}" if count > 1 else f"{script}, {describe_curves(list(peer.scores))}"
 

@@ -183,9 +183,9 @@ def test_a_task_is_drawn_beside_the_curve_of_another_script_up_to_its_own_budget
     monkeypatch.setattr(curves, "finish", lambda figure, axes, *rest: drawn.update(
         {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in axes.get_lines()}))
     curves.plot_steps(own, task, 100, tmp_path / "own.png", {"breakout": peer})
-    assert drawn["ppo_atari.py (breakout), mean over 2 seeds"] == ([200], [10.75])
+    assert drawn["ppo_atari.py (breakout --precision bf16), mean over 2 seeds"] == ([200], [10.75])
     curves.report(task, own, {"breakout": peer})
-    assert "ppo_atari.py (breakout), mean over 2 seeds: 10.8 at step 200" in capsys.readouterr().out
+    assert "ppo_atari.py (breakout --precision bf16), mean over 2 seeds: 10.8 at step 200" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [
