@@ -27,13 +27,13 @@ OpenAI baselines' PPO (Huang et al., 2022). The README gives the speed of this s
 with `benchmarks/throughput.py`. No run of it has reached 10M steps yet; the first 2M, on this
 project's 2-core CPU, follow CleanRL's curve:
 
-![ppo_atari.py on Breakout, seeds 1 and 2 with the 10M-step schedule to 2M steps: the mean score of the last 100 games climbs from about 1 to 21.5 at 1M and 46.5 at 2M, the two seeds shaded between them; CleanRL's curve, 20 at 1M and about 47.5 at 2M, is drawn as points](benchmarks/results/breakout.png)
+![ppo_atari.py on Breakout, seeds 1 to 3 with the 10M-step schedule to 2M steps: the mean score of the last 100 games climbs from about 1 to 24.2 at 1M and 51.3 at 2M, the seeds shaded between the lowest and the highest; CleanRL's curve, 20 at 1M and about 47.5 at 2M, is drawn as points](benchmarks/results/breakout.png)
 
-`python benchmarks/learning_curves.py breakout` made the curve: seeds 1 and 2 with the bfloat16
-torso (`auto` took it on that CPU; the task now asks for it, so that a seed added on another CPU
-trains alike) and every other default, the 10M-step schedule stopped at 2M steps.
-The mean real score of the last 100 games: 16.3 and 26.7 at 1M (CleanRL: about 20), 40.4 and 52.6
-at 2M (CleanRL: 45 to 50).
+`python benchmarks/learning_curves.py breakout` made the curve: seeds 1 to 3 with the bfloat16
+torso (`--precision bf16`, which `auto` takes on the AMD CPU where seeds 1 and 2 ran) and every
+other default, the 10M-step schedule stopped at 2M steps. The mean real score of the last 100
+games: 16.3, 26.7 and 29.6 at 1M (CleanRL: about 20), 40.4, 52.6 and 60.9 at 2M (CleanRL: 45 to
+50).
 
 Papers: PPO (Schulman et al., 2017, arXiv:1707.06347); GAE (Schulman et al., 2016,
 arXiv:1506.02438); the Atari preprocessing and network of DQN (Mnih et al., 2015, Nature 518);
@@ -1169,11 +1169,11 @@ def use_bf16(precision: str, device: torch.device) -> bool:
     slower, 0.92 times float32's speed at 8 games and 0.81 at 32. There, and on a CPU with neither,
     `auto` keeps float32; on CUDA, `auto` keeps float32 and lets cuDNN and cuBLAS use TF32.
     The heads stay in float32, and the log-probabilities a rollout stores are those its update first
-    computes (to 1e-6, a test checks), so the ratio PPO clips is not disturbed. Whether it
-    learns as well as float32 is open. On Breakout, at 2M steps (the mean of the last 100 games),
-    seeds 1 and 2 scored 40.4 and 52.6 with the bfloat16 torso, seeds 1 to 3 55.8, 50.3 and 58.0 in
-    float32 (`benchmarks/results/breakout.csv`, `breakout-fp32.csv`): the means differ (46.5 and
-    54.7), but bfloat16's seed 2 lies among float32's. `--precision fp32` trains in float32 on any CPU.
+    computes (to 1e-6, a test checks), so the ratio PPO clips is not disturbed. On Breakout, at 2M
+    steps (the mean of the last 100 games), seeds 1 to 3 scored 40.4, 52.6 and 60.9 with the
+    bfloat16 torso, 55.8, 50.3 and 58.0 in float32 (`benchmarks/results/breakout.csv`,
+    `breakout-fp32.csv`): means of 51.3 and 54.7, a difference far smaller than the spread of the
+    seeds. `--precision fp32` trains in float32 on any CPU.
     """
     return device.type == "cpu" and cpu_has_fast_bf16() if precision == "auto" else precision == "bf16"
 
