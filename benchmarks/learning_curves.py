@@ -25,9 +25,9 @@ TensorBoard events the runs leave and writes, per task, under `benchmarks/result
     python benchmarks/learning_curves.py cartpole-jax --plot-only    # redraw, from the runs or the CSV
     python benchmarks/learning_curves.py --script ppo_atari.py --env Pong --schedule 10M --budget 1M \
         --seeds 1 2 --name pong -- --num-envs 16                 # any script, env and flags
-    python benchmarks/learning_curves.py breakout --seeds 1 2 3 --cluster slurm --partition gpu \
+    python benchmarks/learning_curves.py breakout-fp32 --cluster slurm --partition gpu \
         --gpus-per-job 1 --time-limit 240                        # one SLURM job per seed (see below)
-    python benchmarks/learning_curves.py breakout --seeds 1 2 3 --status    # where those jobs stand
+    python benchmarks/learning_curves.py breakout-fp32 --status    # where those jobs stand
     python benchmarks/learning_curves.py --suite atari57 --script ppo_jax.py --cluster slurm --no-wait
 
 Anything after `--` is passed on to the script, after the task's own flags. Step counts may be
@@ -250,7 +250,8 @@ CLEANRL_BREAKOUT = Anchor(
 TASKS = {task.name: task for task in [
     # `breakout`'s seeds 1 and 2 ran with `--precision auto` on an AMD CPU with AVX-512 BF16, where it
     # takes the bfloat16 torso, and seed 3 with `--precision bf16` on an Intel Xeon; the task names
-    # bfloat16, so that a seed trains so on any machine. `breakout-fp32` is the same run in float32.
+    # bfloat16, so that every seed trains in it, on any machine. `breakout-fp32` is the same run in
+    # float32 (on a GPU, the precision `auto` takes there).
     Task("breakout", "ppo_atari.py", "Breakout", schedule=10_000_000, budget=2_000_000, seeds=(1, 2, 3),
          flags=("--precision", "bf16"), score="score", unit="games", anchors=(CLEANRL_BREAKOUT,)),
     Task("breakout-fp32", "ppo_atari.py", "Breakout", schedule=10_000_000, budget=2_000_000, seeds=(1, 2, 3),
