@@ -1269,7 +1269,7 @@ def y_label(task: Task, window: int) -> str:
 
 def peer_label(name: str, peer: Curve) -> str:
     task = TASKS.get(name)
-    script = f"{task.script} ({' '.join((name, *task.flags))})" if task else name  # the flags say its precision
+    script = f"{task.script} ({' '.join((name, *task.flags))})" if task else name
     count, kind = len(peer.scores), "agents" if any("_agent_" in name for name in peer.scores) else "seeds"
     return f"{script}, mean over {count} {kind}" if count > 1 else f"{script}, {describe_curves(list(peer.scores))}"
 
