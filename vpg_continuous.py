@@ -1626,9 +1626,9 @@ def load_checkpoint(path: str) -> dict:
     try:
         with warnings.catch_warnings(action="ignore"):  # torch warns of a pickle of another protocol, then refuses it
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch raises many kinds for a damaged file
+    except Exception:  # torch raises many kinds for a damaged file
         raise ConfigError(f"cannot read checkpoint {path}: the file is damaged or not a checkpoint of "
-                          f"vpg_continuous.py ({type(error).__name__})") from None
+                          f"vpg_continuous.py") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{path} is not a vpg_continuous.py checkpoint")
     missing = [field for field in CHECKPOINT_FIELDS if field not in checkpoint]
