@@ -61,6 +61,20 @@ def test_training_leaves_tensorboard_tags_and_a_checkpoint(trained):
     assert "step 4,096/4,096" in result.stderr and "SPS" in result.stderr
 
 
+def test_each_update_splits_its_time_into_games_inference_and_update(trained):
+    # perf/<phase>_seconds: the seconds an update spent waiting for the games, choosing actions (with
+    # the rollout's copies) and learning. Three parts of the time between two updates' events, none
+    # counted twice: their sum is less than that time, which also holds the logging and checkpoints.
+    events = EventAccumulator(str(trained[0]))
+    events.Reload()
+    phases = {phase: events.Scalars(f"perf/{phase}_seconds") for phase in ("env", "inference", "update")}
+    logged = [event.wall_time for event in phases["update"]]
+    assert len(logged) == 4
+    for update in range(1, 4):
+        seconds = [phases[phase][update].value for phase in phases]
+        assert min(seconds) > 0 and sum(seconds) < logged[update] - logged[update - 1], seconds
+
+
 def test_same_seed_same_losses(trained, tmp_path):
     run_dir, _ = trained
     result = run("--env", "Breakout", "--total-timesteps", 4096, "--seed", 3, "--run-dir", tmp_path / "again")
@@ -141,6 +155,8 @@ def test_eval_plays_whole_games_and_writes_videos(trained, tmp_path):
     (["--num-minibatches", "3"], "does not split into 3 minibatches"),
     (["--num-steps", "-5"], "--num-steps must be positive"),
     (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
+    (["--target-kl", "0"], "--target-kl must be positive, not 0.0"),  # every epoch would stop at its first step
+    (["--seed", "4294967296"], "--seed must be in [0, 2**32 - 1]"),
     (["--learning-rate", "nan"], "--learning-rate must be a finite number in float32's range (to 3.4e38), not nan"),
     (["--clip-range", "1e39"], "--clip-range must be a finite number in float32's range (to 3.4e38), not 1e+39"),
     (["--frame-skip", "100000"], "--max-episode-frames 108000 leaves no room to play after 30 no-ops and two steps "

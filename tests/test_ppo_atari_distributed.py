@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -157,6 +158,21 @@ def wait_for_checkpoint(path: Path, process, seconds=240) -> None:
         assert process.poll() is None, process.stdout.read()
         assert time.monotonic() < deadline, "no checkpoint in time"
         time.sleep(0.5)
+
+
+def test_each_rank_plays_its_own_slice_of_the_run_games(breakout_id):
+    # Sticky actions draw from each game's seed, so games of other seeds part ways within a few steps.
+    options = dict(sticky_actions=0.25, life_loss=True, noop_max=30, frame_skip=4, max_episode_frames=600)
+
+    def play(num_envs: int, first_game: int) -> np.ndarray:
+        with ppo_atari.Workers(breakout_id, num_envs, 1, 3, options, first_game=first_game) as workers:
+            frames = [workers.reset().copy()]
+            frames += [workers.step(np.full(num_envs, step % 4)).obs.copy() for step in range(40)]
+        return np.stack(frames, axis=1)
+
+    everyone = play(4, first_game=0)
+    np.testing.assert_array_equal(play(2, first_game=2), everyone[2:])  # the second rank's games: 2 and 3 of the run
+    assert not np.array_equal(everyone[:2], everyone[2:])
 
 
 def test_torchrun_trains_on_two_ranks_and_resumes(tmp_path):

@@ -84,9 +84,18 @@ def test_the_tuned_network_computes_what_the_plain_one_does(precision, tolerance
 def test_auto_precision_takes_bfloat16_where_the_cpu_trains_faster_in_it(vendor, flags, native):
     # Measured on Breakout (`use_bf16`'s docstring): bfloat16 trains 1.6x faster with AMX, 1.8x with
     # AVX-512 BF16 on an AMD EPYC, and 0.81x to 0.92x with AVX-512 BF16 on an Intel Xeon without
-    # AMX; elsewhere float32. Whether it learns as well is open (the same docstring).
+    # AMX; elsewhere float32. Three seeds of each learned alike (the same docstring).
     cpuinfo = f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: {flags}\n"
     assert ppo_atari.cpu_has_fast_bf16(cpuinfo) is native
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_auto_precision_keeps_float32_on_a_gpu_whatever_the_cpu(fast_bf16, monkeypatch):
+    monkeypatch.setattr(ppo_atari, "cpu_has_fast_bf16", lambda: fast_bf16)
+    assert ppo_atari.use_bf16("auto", torch.device("cpu")) is fast_bf16
+    assert not ppo_atari.use_bf16("auto", torch.device("cuda", 0))  # float32, with TF32
+    for device in (torch.device("cpu"), torch.device("cuda", 0)):  # as asked, anywhere
+        assert ppo_atari.use_bf16("bf16", device) and not ppo_atari.use_bf16("fp32", device)
 
 def test_bytes_are_scaled_to_unit_range():
     model = ppo_atari.make_model(SHAPE, n_actions=4)
@@ -171,14 +180,18 @@ def test_update_follows_the_schedule_and_resumes_on_it(breakout_id):
         stats = trainer.update_policy(trainer.collect_rollout())
     assert stats["learning_rate"] == pytest.approx(1e-3 * (1 - 4 / 10))  # the fifth update, halfway less one
 
-    buffer = io.BytesIO()
+    buffer, random_state = io.BytesIO(), torch.get_rng_state()
     torch.save(ppo_atari.checkpoint_state(trainer, breakout_id, ppo_atari.Ranks()), buffer)
     buffer.seek(0)
-    resumed = ppo_atari.Trainer(config, ScriptedEnv(), torch.device("cpu"))
+    resumed = ppo_atari.Trainer(config, ScriptedEnv(), torch.device("cpu"))  # its initialisation draws numbers
     ppo_atari.restore_checkpoint(resumed, torch.load(buffer, weights_only=True), "(in memory)", ppo_atari.Ranks())
     assert resumed.update == 5 and resumed.global_step == 5 * config.batch_size
+    assert torch.equal(torch.get_rng_state(), random_state)  # the draws go on from where the run left them
     for name, tensor in trainer.model.state_dict().items():
         torch.testing.assert_close(resumed.model.state_dict()[name], tensor, rtol=0, atol=0)
+    for ours, theirs in zip(resumed.optimizer.state.values(), trainer.optimizer.state.values(), strict=True):
+        for name in ("step", "exp_avg", "exp_avg_sq"):  # Adam's moments
+            torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0)
     stats = resumed.update_policy(resumed.collect_rollout())
     assert stats["learning_rate"] == pytest.approx(1e-3 * 0.5) and stats["clip_range"] == pytest.approx(0.1)
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5)

@@ -130,6 +130,21 @@ def test_a_bfloat16_rollout_on_a_cpu_casts_the_weights_once_and_computes_what_au
     assert trainer.model.torso is torso and trainer.model.state_dict()["torso.0.weight"].dtype == torch.float32
 
 
+def test_a_rollout_samples_on_one_thread_and_the_update_has_them_all(monkeypatch):
+    # Spinning threads of the main process would take the cores the workers step their games on.
+    trainer = ppo_atari.FastSamplingTrainer(ppo_atari.Config(num_envs=2, num_steps=4, num_minibatches=1,
+                                                             total_timesteps=8), RandomFrames(2, 0), torch.device("cpu"))
+    threads, seen = torch.get_num_threads(), []
+    sample = trainer.sample_actions
+    monkeypatch.setattr(trainer, "sample_actions", lambda obs: seen.append(torch.get_num_threads()) or sample(obs))
+    torch.set_num_threads(2)
+    try:
+        trainer.collect_rollout()
+        assert seen == [1] * 4 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_the_update_starts_from_the_log_probabilities_the_rollout_stored(bf16):
     # PPO's ratio is 1 before the update's first step: the network, on the rollout's frames in

@@ -2,6 +2,7 @@
 run for both (each script's own, with its trained run, are in its own file)."""
 
 import dataclasses
+import math
 import re
 
 import pytest
@@ -112,11 +113,18 @@ def test_in_a_log_the_progress_line_of_a_step_is_written_once(script, capsys):
     progress = script.module.Progress(2048, 0)
     progress.last_print -= 11
     progress.show(1024)
-    progress.show(1536)  # within 10 seconds of the last line: not written
-    progress.show(1536, final=True)
+    progress.show(1280)  # within 10 seconds of the last line: not written
+    progress.last_print -= 11
+    progress.show(1536)
     progress.show(1536, final=True)
     lines = capsys.readouterr().err.splitlines()
     assert [line.split(" |")[0] for line in lines] == ["step 1,024/2,048 (50.0%)", "step 1,536/2,048 (75.0%)"]
+
+
+def test_the_time_left_is_in_minutes_and_seconds_and_past_an_hour_in_hours_and_minutes(script):
+    assert [script.module.format_duration(seconds) for seconds in (0, 125.7, 3599, 3600, 37 * 3600 + 5 * 60 + 59)] == [
+        "0m00s", "2m05s", "59m59s", "1h00m", "37h05m"]
+    assert script.module.format_duration(math.inf) == "?"  # no speed measured yet
 
 
 def test_the_progress_line_counts_one_game_or_episode_in_the_singular(script, capsys):
