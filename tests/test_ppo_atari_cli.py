@@ -48,6 +48,8 @@ def test_training_leaves_tensorboard_tags_and_a_checkpoint(trained):
     logged = scalars(run_dir)
     for tag in TAGS:
         assert tag in logged, tag
+    # Each term of the loss under CleanRL's names, and not their weighted sum, which CleanRL does not log.
+    assert {tag for tag in logged if tag.startswith("losses/")} == {tag for tag in TAGS if tag.startswith("losses/")}
     assert [step for step, _ in logged["losses/policy_loss"]] == [1024, 2048, 3072, 4096]
     # Real scores of whole games, not clipped per-life rewards: Breakout games last over 100 steps.
     assert all(length > 100 for _, length in logged["charts/episodic_length"])

@@ -201,12 +201,18 @@ def test_update_follows_the_schedule_and_resumes_on_it():
     assert stats["learning_rate"] == pytest.approx(1e-3 * (1 - 4 / 10))
 
     resumed = vpg.Trainer(config, ScriptedEnvs(), torch.device("cpu"))
+    random_state = torch.get_rng_state()
     saved = saved_and_loaded(vpg.checkpoint_state(trainer, "Scripted", vpg.Ranks()))
+    torch.manual_seed(1)  # another state, which the checkpoint's replaces
     vpg.restore_checkpoint(resumed, saved, "(in memory)", vpg.Ranks())
     assert resumed.update == 5 and resumed.global_step == 5 * config.batch_size
+    assert torch.equal(torch.get_rng_state(), random_state)  # the draws go on from where the run left them
     for network, original in [(resumed.policy, trainer.policy), (resumed.value, trainer.value)]:
         for name, tensor in original.state_dict().items():
             torch.testing.assert_close(network.state_dict()[name], tensor, rtol=0, atol=0)
+    for ours, theirs in zip(resumed.optimizer.state.values(), trainer.optimizer.state.values(), strict=True):
+        for name in ("step", "exp_avg", "exp_avg_sq"):  # Adam's moments
+            torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0)
     stats = resumed.update_policy(resumed.collect_rollout())
     assert stats["learning_rate"] == pytest.approx(1e-3 * 0.5)
     assert [group["lr"] for group in resumed.optimizer.param_groups] == pytest.approx([1e-3 * 0.5, 2e-3 * 0.5])

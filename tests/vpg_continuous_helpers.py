@@ -1,7 +1,8 @@
 """Vector envs for the tests of vpg_continuous.py: the reference for `Workers`, a scripted one, and
-one of drifting noise for the ranks of a data-parallel test."""
+one of drifting noise for the ranks of a data-parallel test; and a task whose steps never end."""
 
 import io
+import time
 
 import numpy as np
 import torch
@@ -142,3 +143,10 @@ class DriftingTask:
         self.done.append(terminated | truncated)
         finished = [(int(env), 1.0, 1) for env in np.flatnonzero(terminated | truncated)]
         return vpg.VecStep(obs, rewards, terminated, truncated, final_obs, finished)
+
+
+class StuckTask(vpg.Task):
+    """A `Task` whose steps never end, as a simulator stuck in a loop would not."""
+
+    def step(self, action: np.ndarray) -> vpg.Transition:
+        time.sleep(3600)
