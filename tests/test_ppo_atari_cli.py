@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -150,6 +151,34 @@ def test_eval_plays_whole_games_and_writes_videos(trained, tmp_path):
     videos = sorted((tmp_path / "videos").glob("*.mp4"))
     assert len(videos) == 2
     assert assert_plays(videos[0], 320, 420) > 10
+
+
+def test_eval_reports_each_games_whole_score_from_games_unlike_the_training_ones(trained, monkeypatch, capsys):
+    seeds = []
+
+    class ThreeSteps:
+        """Breakout's shape: a game of three steps that scores 2 points, none in its last step."""
+
+        n_actions = 4
+
+        def __init__(self, env_id, seed, options):
+            self.obs = np.zeros(ppo_atari.Game.observation_shape, np.uint8)
+            seeds.append(int(seed))
+
+        def reset(self):
+            self.steps = 0
+            return self.obs
+
+        def step(self, action):
+            self.steps += 1
+            over = self.steps == 3
+            return ppo_atari.Transition(reward=float(not over), terminated=over, truncated=False, game_over=over,
+                                        score=float(min(self.steps, 2)), length=4 * self.steps)
+
+    monkeypatch.setattr(ppo_atari, "make_env", ThreeSteps)
+    status, out, err = PPO_ATARI.run_main(capsys, "--eval", trained[0] / "checkpoint.pt", "--eval-episodes", 3)
+    assert status == 0 and out.startswith("ALE/Breakout-v5: 3 games, score 2.0 ± 0.0 (min 2, max 2)"), err
+    assert set(seeds[1:]).isdisjoint(ppo_atari.game_seeds(3, 1000).tolist())  # after the probe of the network's shape
 
 
 @pytest.mark.parametrize("args, message", [

@@ -54,13 +54,18 @@ def run(script: str, *args) -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_ppo_atari_records_its_first_game_while_training(tmp_path):
+def test_ppo_atari_records_its_first_game_while_training_and_a_resumed_run_adds_its_own(tmp_path):
     run("ppo_atari.py", "--env", "Breakout", "--total-timesteps", 256, "--num-envs", 2, "--num-steps", 64,
         "--num-workers", 1, "--max-episode-frames", 200, "--capture-video", "--run-dir", tmp_path)
+    # The first game slot played 128 steps of games of at most 50: games 0 and 1 recorded, 2 not.
     videos = sorted((tmp_path / "videos").iterdir())
-    assert [path.name for path in videos] == ["train-Breakout-from-update0-game0000.mp4",
-                                              "train-Breakout-from-update0-game0001.mp4"]
+    first = ["train-Breakout-from-update0-game0000.mp4", "train-Breakout-from-update0-game0001.mp4"]
+    assert [path.name for path in videos] == first
     assert assert_plays(videos[0], 320, 420) > 10
+    run("ppo_atari.py", "--resume", tmp_path / "checkpoint.pt", "--total-timesteps", 512, "--capture-video")
+    # Resumed at update 2, its games numbered from 0 again: under names of its own, beside the first run's.
+    assert sorted(path.name for path in (tmp_path / "videos").glob("*.mp4")) == first + [
+        "train-Breakout-from-update2-game0000.mp4", "train-Breakout-from-update2-game0001.mp4"]
 
 
 def test_vpg_records_its_first_env_while_training_and_a_resumed_run_adds_its_own(tmp_path):
