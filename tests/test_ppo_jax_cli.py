@@ -98,6 +98,22 @@ def test_a_record_torn_by_a_crash_is_left_out_and_the_rest_read(trained, tmp_pat
             np.testing.assert_array_equal(series[name], values)
 
 
+def test_a_step_written_again_by_a_resumed_run_is_read_as_last_written(tmp_path):
+    # A run stopped after update 3, resumed from its checkpoint of update 2: update 3 is trained and written again.
+    def record(steps, losses):
+        records = np.rec.fromarrays([np.array(steps), np.array(losses, np.float32)],
+                                    dtype=[("step", np.int64), ("losses/policy_loss", np.float32, (2,))])
+        buffer = io.BytesIO()
+        np.save(buffer, records)
+        return buffer.getvalue()
+
+    path = tmp_path / ppo_jax.AGENTS_FILE
+    path.write_bytes(record([256, 512, 768], [[1, -1], [2, -2], [3, -3]]) + record([768, 1024], [[30, -30], [40, -40]]))
+    series = ppo_jax.read_agent_series(path)
+    assert series["step"].tolist() == [256, 512, 768, 1024]
+    assert series["losses/policy_loss"].tolist() == [[1, -1], [2, -2], [30, -30], [40, -40]]
+
+
 def test_only_the_first_agents_get_writers_of_their_own(environment, tmp_path):
     # Three agents, writers for the first only: the work between chunks does not grow with the agents.
     result = subprocess.run(patched("ppo_jax.AGENT_WRITERS = 1") + [*map(str, SMALL), "--num-seeds", "3",
