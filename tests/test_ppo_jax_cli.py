@@ -590,6 +590,16 @@ def test_a_nan_names_its_update_and_keeps_the_last_good_checkpoint(tmp_path, mon
     assert float(capsys.readouterr().out.split("return ")[1].split(" ")[0]) > 0  # the good checkpoint plays
 
 
+def test_the_progress_line_counts_the_steps_of_every_agent(capsys):
+    progress = ppo_jax.Progress(1000, 0, 4, "episodes")
+    progress.started -= 2.0
+    progress.show(500, final=True)
+    line = capsys.readouterr().err
+    assert line.startswith("step 500/1,000 x 4 agents (50.0%) | "), line
+    sps = int(line.split(" | ")[1].removesuffix(" SPS").replace(",", ""))
+    assert 900 < sps <= 1000, line  # 500 steps of 4 agents in a little over 2 seconds
+
+
 def test_each_update_reports_the_mean_return_of_the_last_100_episodes():
     # Updates of a CartPole agent, each rollout's episodes read beside it (`collect` of the same
     # runner plays the very rollout that `update` learns from), against a plain list of returns.
