@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import ppo_atari
-import ppo_atari_helpers as helpers
 from conftest import ROOT
 from processes import deadline, living
 
@@ -96,19 +95,6 @@ def test_close_leaves_no_process(breakout_id):
     workers.close()
     assert living(pids) == [] and mp.active_children() == []
     workers.close()  # closing twice is harmless
-
-
-def test_close_kills_a_worker_stuck_in_its_game():
-    with deadline(60):
-        workers = ppo_atari.Workers(helpers.ENV_ID, 1, 1, 0, {}, make_env=helpers.make_stuck_env)
-        workers.reset()
-        workers._send(b"step")  # as `step` does; the answer never comes, and a Ctrl-C ends the wait
-        pids = [process.pid for process in workers.processes]
-        workers.close()
-    left = living(pids)
-    for pid in left:  # so that a failure here leaves no process for pytest's exit to wait on
-        os.kill(pid, signal.SIGKILL)
-    assert left == []
 
 
 def test_workers_leave_the_signals_that_stop_a_run_to_the_main_process(breakout_id):

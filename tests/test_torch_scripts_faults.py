@@ -1,6 +1,6 @@
 """ppo_atari.py and vpg_continuous.py when things go wrong: Ctrl-C twice or early, a diverging update,
-bad numbers, a full disk, two runs in one directory, workers that fail before they are ready or while
-training, and Ctrl-C while evaluating.
+bad numbers, a full disk, two runs in one directory, workers that hang or that fail before they are
+ready or while training, and Ctrl-C while evaluating.
 
 The two scripts hold the same text for all of this (`test_vpg_continuous_copies.py`), so each test
 is written once and runs for both."""
@@ -18,7 +18,8 @@ import typing
 import pytest
 import torch
 
-from processes import alive, hang_up, interrupted_while_loading, on_a_terminal, process_tree, read_until
+from processes import (alive, deadline, hang_up, interrupted_while_loading, living, on_a_terminal, process_tree,
+                       read_until)
 from torch_scripts import IDS, ROOT, SCRIPTS, Script
 
 
@@ -456,6 +457,30 @@ def test_a_new_run_in_the_directory_of_a_ppo_jax_run_is_refused(script, tmp_path
 
 
 # ## Start-up faults
+
+
+def stuck_workers(module):
+    """The script's `Workers` of one game or env whose steps never end, as a simulator stuck in a loop would not."""
+    if module.__name__ == "ppo_atari":
+        import ppo_atari_helpers
+
+        return module.Workers(ppo_atari_helpers.ENV_ID, 1, 1, 0, {}, make_env=ppo_atari_helpers.make_stuck_env)
+    from vpg_continuous_helpers import StuckTask
+
+    return module.Workers("Pendulum-v1", 1, 1, 0, module.describe_env("Pendulum-v1"), make_task=StuckTask)
+
+
+def test_close_kills_a_worker_stuck_in_its_env(script):
+    with deadline(60):
+        workers = stuck_workers(script.module)
+        workers.reset()
+        workers._send(b"step")  # as `step` does; the answer never comes, and a Ctrl-C ends the wait
+        pids = [process.pid for process in workers.processes]
+        workers.close()
+    left = living(pids)
+    for pid in left:  # so that a failure here leaves no process for pytest's exit to wait on
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
 
 
 def test_a_worker_that_dies_before_it_is_ready_is_one_message(script, tmp_path, monkeypatch, capsys):

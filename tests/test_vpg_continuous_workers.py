@@ -16,7 +16,7 @@ import pytest
 import vpg_continuous as vpg
 from conftest import ROOT
 from processes import deadline, living
-from vpg_continuous_helpers import InProcessEnvs, StuckTask
+from vpg_continuous_helpers import InProcessEnvs
 
 
 class FailsOnLargeActions(gym.Env):
@@ -99,19 +99,6 @@ def test_close_leaves_no_process():
     workers.close()
     assert living(pids) == [] and mp.active_children() == []
     workers.close()  # closing twice is harmless
-
-
-def test_close_kills_a_worker_stuck_in_its_env():
-    with deadline(60):
-        workers = vpg.Workers("Pendulum-v1", 1, 1, 0, vpg.describe_env("Pendulum-v1"), make_task=StuckTask)
-        workers.reset()
-        workers._send(b"step")  # as `step` does; the answer never comes, and a Ctrl-C ends the wait
-        pids = [process.pid for process in workers.processes]
-        workers.close()
-    left = living(pids)
-    for pid in left:  # so that a failure here leaves no process for pytest's exit to wait on
-        os.kill(pid, signal.SIGKILL)
-    assert left == []
 
 
 def test_workers_leave_the_signals_that_stop_a_run_to_the_main_process():
