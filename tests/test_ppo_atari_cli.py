@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import av
 import numpy as np
 import pytest
 import torch
@@ -151,6 +152,8 @@ def test_eval_plays_whole_games_and_writes_videos(trained, tmp_path):
     videos = sorted((tmp_path / "videos").glob("*.mp4"))
     assert len(videos) == 2
     assert assert_plays(videos[0], 320, 420) > 10
+    with av.open(str(videos[0])) as video:  # in real time: the emulator's 60 frames a second over the frame skip
+        assert video.streams.video[0].average_rate == 15
 
 
 def test_eval_reports_each_games_whole_score_from_games_unlike_the_training_ones(trained, monkeypatch, capsys):
