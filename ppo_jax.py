@@ -1679,7 +1679,7 @@ def load_checkpoint(path: str) -> dict:
         checkpoint = flax.serialization.msgpack_restore(Path(path).read_bytes())
     except Exception:  # msgpack raises many kinds for a damaged file
         raise ConfigError(f"cannot read checkpoint {path}: the file is damaged or not a checkpoint of "
-                          f"ppo_jax.py") from None
+                          "ppo_jax.py") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{path} is not a ppo_jax.py checkpoint")
     for names in [("env_id",), ("update",), ("global_step",), *[("config", field.name) for field in

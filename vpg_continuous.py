@@ -1628,7 +1628,7 @@ def load_checkpoint(path: str) -> dict:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception:  # torch raises many kinds for a damaged file
         raise ConfigError(f"cannot read checkpoint {path}: the file is damaged or not a checkpoint of "
-                          f"vpg_continuous.py") from None
+                          "vpg_continuous.py") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{path} is not a vpg_continuous.py checkpoint")
     missing = [field for field in CHECKPOINT_FIELDS if field not in checkpoint]

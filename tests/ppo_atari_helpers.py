@@ -1,7 +1,7 @@
 """What the tests of ppo_atari.py share: `RandomFrames`, a vector env of noise; and a small gymnasium task
 with RGB frames and discrete actions, with what a fork of ppo_atari.py writes to train on it (the
-wrapper that plays it as the workers play a game, and the `make_env` that makes it); and a game that never
-ends a step (`make_stuck_env`).
+wrapper that plays it as the workers play a game, and the `make_env` that makes it); and a game whose steps
+never return (`make_stuck_env`).
 
 They are in a module of their own so that workers started by `spawn` can import `make_env` by its name.
 """
@@ -110,7 +110,7 @@ def make_env(env_id: str, seed: int, options: dict, obs: np.ndarray | None = Non
 
 
 def make_stuck_env(env_id: str, seed: int, options: dict, obs: np.ndarray | None = None) -> PixelGame:
-    """`make_env` for a game whose steps never end, as an emulator stuck in a loop would not."""
+    """`make_env` for a game whose steps never return, like an emulator stuck in a loop."""
     game = PixelGame(env_id, seed, obs=obs)
     game.step = lambda action: time.sleep(3600)
     return game

@@ -460,7 +460,7 @@ def test_a_new_run_in_the_directory_of_a_ppo_jax_run_is_refused(script, tmp_path
 
 
 def stuck_workers(module):
-    """The script's `Workers` of one game or env whose steps never end, as a simulator stuck in a loop would not."""
+    """The script's `Workers` of one game or env whose steps never return, like a simulator stuck in a loop."""
     if module.__name__ == "ppo_atari":
         import ppo_atari_helpers
 

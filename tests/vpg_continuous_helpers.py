@@ -1,5 +1,5 @@
 """Vector envs for the tests of vpg_continuous.py: the reference for `Workers`, a scripted one, and
-one of drifting noise for the ranks of a data-parallel test; and a task whose steps never end."""
+one of drifting noise for the ranks of a data-parallel test; and a task whose steps never return."""
 
 import io
 import time
@@ -146,7 +146,7 @@ class DriftingTask:
 
 
 class StuckTask(vpg.Task):
-    """A `Task` whose steps never end, as a simulator stuck in a loop would not."""
+    """A `Task` whose steps never return, like a simulator stuck in a loop."""
 
     def step(self, action: np.ndarray) -> vpg.Transition:
         time.sleep(3600)
