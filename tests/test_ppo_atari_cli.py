@@ -189,8 +189,9 @@ def test_eval_reports_each_games_whole_score_from_games_unlike_the_training_ones
     (["--num-minibatches", "3"], "does not split into 3 minibatches"),
     (["--num-steps", "-5"], "--num-steps must be positive"),
     (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
-    (["--target-kl", "0"], "--target-kl must be positive, not 0.0"),  # every epoch would stop at its first step
-    (["--seed", "4294967296"], "--seed must be in [0, 2**32 - 1]"),
+    # One update, so that a rule no longer kept ends here as a short run rather than a run of 10M steps.
+    (["--target-kl", "0", "--total-timesteps", "1024"], "--target-kl must be positive, not 0.0"),
+    (["--seed", "4294967296", "--total-timesteps", "1024"], "--seed must be in [0, 2**32 - 1]"),
     (["--learning-rate", "nan"], "--learning-rate must be a finite number in float32's range (to 3.4e38), not nan"),
     (["--clip-range", "1e39"], "--clip-range must be a finite number in float32's range (to 3.4e38), not 1e+39"),
     (["--frame-skip", "100000"], "--max-episode-frames 108000 leaves no room to play after 30 no-ops and two steps "

@@ -523,13 +523,16 @@ def compile_signalling_chunks(*args):
     return signalling
 ppo_jax.compile_train_chunk = compile_signalling_chunks"""
     run_dir = tmp_path / "a run"  # the resume line quotes its path, so that it can be pasted into a shell
-    result = ppo_jax_run(environment, patched(code), *SMALL, "--run-dir", run_dir)
+    # A stop's checkpoint, at update 2 of the schedule here, gets no video: its policy is not the one the run leaves.
+    videos = ["--capture-video"] if status else []
+    result = ppo_jax_run(environment, patched(code), *SMALL, *videos, "--run-dir", run_dir)
     checkpoint = run_dir / "checkpoint.msgpack"
     assert result.returncode == status and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"done: 512 steps; checkpoint in {checkpoint}" if status == 0
         else f"stopped at update 2; resume with --resume '{checkpoint}'")
     assert read_checkpoint(checkpoint)["update"] == in_chunk_to
+    assert not list(run_dir.glob("videos/*.mp4"))
 
 
 def test_a_signal_as_the_run_ends_changes_nothing(environment, tmp_path):
