@@ -345,6 +345,9 @@ class Game:
         """The current frame in colour, 210 x 160 x 3 RGB, for videos."""
         return self.ale.getScreenRGB()
 
+    def close(self) -> None:
+        self.env.close()
+
     def _play(self, action: ale_py.Action) -> float:
         """Repeat `action` for `frame_skip` frames; leave the step's last two frames in `screens`."""
         points = 0.0
@@ -951,17 +954,19 @@ def run_worker(connection: Connection, make_env, env_id: str, seeds: np.ndarray,
     """The loop of one worker process: it plays games `first_env, first_env + 1, ...`, made by `make_env`.
 
     It answers the main process's `reset` and `step` with `ok` once the arrays of its games are
-    written, or with `error` and its traceback; on `close` it returns.
+    written, or with `error` and its traceback; on `close` it returns, closing its games.
     """
     for signum in STOP_SIGNALS:  # the main process's to answer, even when sent to the whole process group
         signal.signal(signum, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # `Workers` starts it with them blocked
     cv2.setNumThreads(1)
     parent = mp.parent_process()
+    games: list[Game] = []
     try:
         rows = slice(first_env, first_env + len(seeds))
         arrays = {name: array[rows] for name, array in numpy_views(blocks).items()}
-        games = [make_env(env_id, seed, game_options, obs=arrays["obs"][i]) for i, seed in enumerate(seeds)]
+        for i, seed in enumerate(seeds):
+            games.append(make_env(env_id, seed, game_options, obs=arrays["obs"][i]))
         connection.send_bytes(b"ok")
         while True:
             ready = wait_for_any([connection] + ([parent.sentinel] if parent is not None else []))
@@ -992,6 +997,9 @@ def run_worker(connection: Connection, make_env, env_id: str, seeds: np.ndarray,
             connection.send_bytes(b"error " + traceback.format_exc().encode())
         except (OSError, ValueError):
             pass
+    finally:
+        for game in games:
+            game.close()
 
 
 # `vpg_continuous.py` holds a near copy of `Workers`, `run_worker` and `shared_arrays`. They differ
@@ -2188,14 +2196,18 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
                               60 / config.frame_skip) for index, game in enumerate(games)]
     scores: list[float | None] = [None] * len(games)  # each game's, once it is over
     with written(video_dir, config.eval):  # a video that cannot be written (on a full disk, say) is one line
-        for game in games:
-            game.reset()
-        while None in scores:
-            playing = [index for index, score in enumerate(scores) if score is None]
-            for index, action in zip(playing, policy.act(np.stack([games[index].obs for index in playing]))):
-                step = games[index].step(int(action))
-                if step.game_over:
-                    scores[index] = step.score
+        try:
+            for game in games:
+                game.reset()
+            while None in scores:
+                playing = [index for index, score in enumerate(scores) if score is None]
+                for index, action in zip(playing, policy.act(np.stack([games[index].obs for index in playing]))):
+                    step = games[index].step(int(action))
+                    if step.game_over:
+                        scores[index] = step.score
+        finally:  # a stopped evaluation leaves no unfinished video behind
+            for game in games:
+                game.close()
     videos = [video_dir / game.name for game in games] if config.capture_video else []
     if videos:
         print(f"videos in {video_dir}", file=sys.stderr)
@@ -2291,6 +2303,13 @@ class RecordedGame:
                 os.replace(self.video.path, self.video_dir / self.name)
                 self.video = None
         return step
+
+    def close(self) -> None:
+        """Close the game; the video of a game cut short by the end of the run is dropped."""
+        if self.video is not None:
+            self.video.close()
+            self.video.path.unlink(missing_ok=True)
+        self.game.close()
 
 
 def make_recorded_env(env_id: str, seed: int, options: dict, obs: np.ndarray | None = None, *, recorded_seed: int,
