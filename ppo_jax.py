@@ -2379,9 +2379,12 @@ def record_videos(config: AtariConfig, env_id: str, env: BatchedEnv, network: nn
             twin.reset(seed=np.asarray(env.seeds(jax.random.split(key)[1])))
         # Classic control plays at gymnasium's own rate; MinAtar has none, and 15 steps a second reads well.
         fps = 60 / config.frame_skip if atari else 15 if "MinAtar" in env_id else gym.make(env_id).metadata["render_fps"]
-        videos = [stack.enter_context(contextlib.closing(Video(video_dir / (
-            f"{name}-{env.game}-game{index:02d}.mp4" if atari else f"{name}-{env_id}-episode{index:02d}.mp4"), fps)))
-            for index in range(env.num_envs)]
+        # Each is written under a hidden name and shown once whole: a recording stopped part way leaves no file.
+        paths = [video_dir / (f"{name}-{env.game}-game{index:02d}.mp4" if atari else f"{name}-{env_id}-episode{index:02d}.mp4")
+                 for index in range(env.num_envs)]
+        for path in paths:
+            stack.callback(path.with_name(f".{path.name}").unlink, missing_ok=True)
+        videos = [stack.enter_context(contextlib.closing(Video(path.with_name(f".{path.name}"), fps))) for path in paths]
 
         while (playing := np.asarray(carry[3])).any():
             if not atari:  # each gymnax state a step starts from: the first, and every step's but the last
@@ -2393,7 +2396,10 @@ def record_videos(config: AtariConfig, env_id: str, env: BatchedEnv, network: nn
                 screens = twin.step(np.asarray(env.actions_played(before[1], actions)))[0][:, 0]
                 for index in np.flatnonzero(playing):
                     videos[index].write(cv2.resize(screens[index], None, fx=2, fy=2, interpolation=cv2.INTER_NEAREST))
-    return [video.path for video in videos]
+        for video, path in zip(videos, paths):
+            video.close()
+            os.replace(video.path, path)
+    return paths
 
 
 def render_gymnax(env_id: str, env: BatchedEnv, state: Any) -> np.ndarray:
