@@ -1699,7 +1699,8 @@ def run_dir_lock(run_dir: Path):
 def load_checkpoint(path: str) -> dict:
     """Read a checkpoint of this script (tensors and plain data only), or raise a `ConfigError`."""
     if not Path(path).is_file():
-        raise ConfigError(f"checkpoint {path or repr(path)} {'is not a file' if Path(path).exists() else 'does not exist'}")
+        inside = f"; the run's checkpoint in it is {Path(path) / 'checkpoint.pt'}" if (Path(path) / "checkpoint.pt").is_file() else ""
+        raise ConfigError(f"checkpoint {path or repr(path)} {'is not a file' if Path(path).exists() else 'does not exist'}{inside}")
     try:
         with warnings.catch_warnings(action="ignore"):  # torch warns of a pickle of another protocol, then refuses it
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)

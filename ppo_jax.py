@@ -1674,7 +1674,8 @@ def load_checkpoint(path: str) -> dict:
     they are restored, by `restore_tree`.)
     """
     if not Path(path).is_file():
-        raise ConfigError(f"checkpoint {path or repr(path)} {'is not a file' if Path(path).exists() else 'does not exist'}")
+        inside = f"; the run's checkpoint in it is {Path(path) / 'checkpoint.msgpack'}" if (Path(path) / "checkpoint.msgpack").is_file() else ""
+        raise ConfigError(f"checkpoint {path or repr(path)} {'is not a file' if Path(path).exists() else 'does not exist'}{inside}")
     try:
         checkpoint = flax.serialization.msgpack_restore(Path(path).read_bytes())
     except Exception:  # msgpack raises many kinds for a damaged file

@@ -227,8 +227,11 @@ def one_line_error(result, message):
     assert len(lines) == 1 and message in lines[0], result.stderr
 
 
-def test_damaged_and_foreign_checkpoints_exit_2(trained, tmp_path):
+def test_damaged_and_foreign_checkpoints_exit_2(trained, tmp_path, capsys):
     run_dir, _ = trained
+    status, _, stderr = PPO_ATARI.run_main(capsys, "--resume", run_dir)  # the run's directory, not its checkpoint
+    assert status == 2 and stderr.strip() == (f"ppo_atari.py: error: checkpoint {run_dir} is not a file; the run's "
+                                              f"checkpoint in it is {run_dir / 'checkpoint.pt'}")
     damaged = tmp_path / "damaged.pt"
     damaged.write_bytes((run_dir / "checkpoint.pt").read_bytes()[:5000])
     one_line_error(run("--eval", damaged), "the file is damaged or not a checkpoint of ppo_atari.py")

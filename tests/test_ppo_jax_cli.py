@@ -511,6 +511,8 @@ def test_damaged_and_foreign_checkpoints_exit_2(trained, tmp_path, capsys):
         assert len(lines) == 1
         return lines[0]
 
+    assert error("--resume", run_dir).endswith(  # the run's directory, not its checkpoint
+        f"checkpoint {run_dir} is not a file; the run's checkpoint in it is {checkpoint_path}")
     damaged = tmp_path / "damaged.msgpack"
     damaged.write_bytes(checkpoint_path.read_bytes()[:5000])
     assert "the file is damaged or not a checkpoint of ppo_jax.py" in error("--eval", damaged)

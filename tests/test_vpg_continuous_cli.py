@@ -313,6 +313,8 @@ def test_help_shows_each_field_doc(capsys):
 def test_damaged_and_foreign_checkpoints_exit_2(trained, tmp_path, capsys):
     run_dir, _ = trained
     checkpoint = run_dir / "checkpoint.pt"
+    one_line_error(*run_main(capsys, "--eval", run_dir)[::2],  # the run's directory, not its checkpoint
+                   f"checkpoint {run_dir} is not a file; the run's checkpoint in it is {checkpoint}")
     damaged = tmp_path / "damaged.pt"
     damaged.write_bytes(checkpoint.read_bytes()[:5000])
     one_line_error(*run_main(capsys, "--eval", damaged)[::2], "the file is damaged or not a checkpoint of vpg_continuous.py")
