@@ -1699,8 +1699,9 @@ def run_dir_lock(run_dir: Path):
 def load_checkpoint(path: str) -> dict:
     """Read a checkpoint of this script (tensors and plain data only), or raise a `ConfigError`."""
     if not Path(path).is_file():
-        inside = f"; the run's checkpoint in it is {Path(path) / 'checkpoint.pt'}" if (Path(path) / "checkpoint.pt").is_file() else ""
-        raise ConfigError(f"checkpoint {path or repr(path)} {'is not a file' if Path(path).exists() else 'does not exist'}{inside}")
+        inside = Path(path) / "checkpoint.pt"  # a run's directory, given for its checkpoint
+        hint = f"; the run's checkpoint in it is {inside}" if inside.is_file() else ""
+        raise ConfigError(f"checkpoint {path or repr(path)} {'is not a file' if Path(path).exists() else 'does not exist'}{hint}")
     try:
         with warnings.catch_warnings(action="ignore"):  # torch warns of a pickle of another protocol, then refuses it
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)

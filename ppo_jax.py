@@ -1674,8 +1674,9 @@ def load_checkpoint(path: str) -> dict:
     they are restored, by `restore_tree`.)
     """
     if not Path(path).is_file():
-        inside = f"; the run's checkpoint in it is {Path(path) / 'checkpoint.msgpack'}" if (Path(path) / "checkpoint.msgpack").is_file() else ""
-        raise ConfigError(f"checkpoint {path or repr(path)} {'is not a file' if Path(path).exists() else 'does not exist'}{inside}")
+        inside = Path(path) / "checkpoint.msgpack"  # a run's directory, given for its checkpoint
+        hint = f"; the run's checkpoint in it is {inside}" if inside.is_file() else ""
+        raise ConfigError(f"checkpoint {path or repr(path)} {'is not a file' if Path(path).exists() else 'does not exist'}{hint}")
     try:
         checkpoint = flax.serialization.msgpack_restore(Path(path).read_bytes())
     except Exception:  # msgpack raises many kinds for a damaged file
