@@ -2230,7 +2230,8 @@ def evaluate(config: RunConfig, env_id: str, checkpoint: dict) -> list[float]:
 # leaves a few dozen videos rather than thousands. The game is recorded where it is played, in its
 # worker: `make_recorded_env` stands in for `make_env` and wraps that one game in a `RecordedGame`. A
 # video is written under a hidden name and renamed when its game ends, so the main process sees only
-# whole videos, and sends each new one to Weights & Biases with `--track`. `--eval` records each of
+# whole videos, and sends each new one to Weights & Biases with `--track`; the video of a game that
+# the end of the run cuts short is deleted as its worker closes it. `--eval` records each of
 # its games with a `RecordedGame` too.
 
 
