@@ -103,6 +103,9 @@ class PixelGame:
     def render(self) -> np.ndarray:
         return self.env.render()
 
+    def close(self) -> None:
+        self.env.close()
+
 
 def make_env(env_id: str, seed: int, options: dict, obs: np.ndarray | None = None) -> PixelGame:
     """ppo_atari's `make_env`, for this task: the Atari options have nothing to set here."""

@@ -178,6 +178,9 @@ def test_eval_reports_each_games_whole_score_from_games_unlike_the_training_ones
             return ppo_atari.Transition(reward=float(not over), terminated=over, truncated=False, game_over=over,
                                         score=float(min(self.steps, 2)), length=4 * self.steps)
 
+        def close(self):
+            pass
+
     monkeypatch.setattr(ppo_atari, "make_env", ThreeSteps)
     status, out, err = PPO_ATARI.run_main(capsys, "--eval", trained[0] / "checkpoint.pt", "--eval-episodes", 3)
     assert status == 0 and out.startswith("ALE/Breakout-v5: 3 games, score 2.0 ± 0.0 (min 2, max 2)"), err
