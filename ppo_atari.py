@@ -381,10 +381,10 @@ def make_env(env_id: str, seed: int, options: dict, obs: np.ndarray | None = Non
 
     The rest of the page asks of a game what `Game` offers: `obs` (`uint8`, channels first, updated
     in place, in the array `obs` when one is given), `n_actions`, `reset()`, `step(action)` returning
-    a `Transition`, and `render()`. The shapes of the frames and of the network follow from it, so a
-    fork that trains on another task with pixels and discrete actions changes this function and the
-    wrapper it returns, and nothing else in Parts 1 and 2 (the tests train a small gymnasium task
-    this way); Part 3's command line knows Atari's names, and sizes its memory check by `Game`'s
+    a `Transition`, `render()` and `close()`. The shapes of the frames and of the network follow from
+    it, so a fork that trains on another task with pixels and discrete actions changes this function
+    and the wrapper it returns, and nothing else in Parts 1 and 2 (the tests train a small gymnasium
+    task this way); Part 3's command line knows Atari's names, and sizes its memory check by `Game`'s
     frames.
     """
     return Game(env_id, seed, obs=obs, **options)
@@ -1844,10 +1844,11 @@ class Signals:
     """Ctrl-C, SIGTERM and SIGHUP for the life of a run, a context manager that installs `handle`.
 
     `requested` is the number of training's first signal, the request to stop. A second signal
-    within `same_within` seconds of it is the same request: under torchrun a terminal's Ctrl-C
-    reaches each rank twice, from the terminal and passed on by torchrun. `closed` is set when a run
-    that was closing lets go of the signals: the script's own handler (at the end of the file) then
-    drops those that come after, as the process's last objects are freed.
+    within `same_within` seconds of it is the same request: under torchrun in a SLURM job, `scancel`
+    or the time limit reaches each rank twice, from SLURM and passed on by torchrun (a terminal's
+    Ctrl-C reaches torchrun alone, whose ranks each have a session of their own, and comes once).
+    `closed` is set when a run that was closing lets go of the signals: the script's own handler (at
+    the end of the file) then drops those that come after, as the process's last objects are freed.
     """
 
     closed = False

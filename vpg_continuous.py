@@ -1774,10 +1774,11 @@ class Signals:
     """Ctrl-C, SIGTERM and SIGHUP for the life of a run, a context manager that installs `handle`.
 
     `requested` is the number of training's first signal, the request to stop. A second signal
-    within `same_within` seconds of it is the same request: under torchrun a terminal's Ctrl-C
-    reaches each rank twice, from the terminal and passed on by torchrun. `closed` is set when a run
-    that was closing lets go of the signals: the script's own handler (at the end of the file) then
-    drops those that come after, as the process's last objects are freed.
+    within `same_within` seconds of it is the same request: under torchrun in a SLURM job, `scancel`
+    or the time limit reaches each rank twice, from SLURM and passed on by torchrun (a terminal's
+    Ctrl-C reaches torchrun alone, whose ranks each have a session of their own, and comes once).
+    `closed` is set when a run that was closing lets go of the signals: the script's own handler (at
+    the end of the file) then drops those that come after, as the process's last objects are freed.
     """
 
     closed = False

@@ -104,9 +104,13 @@ TORCHRUN = {"ppo_atari": (["--num-envs", "2", "--num-steps", "32", "--num-worker
                                 "--value-epochs", "1", "--num-minibatches", "1"], 2 * 2 * 64)}
 
 
-def test_ctrl_c_under_torchrun_saves_a_checkpoint_and_leaves_no_process(script, tmp_path):
-    # A terminal's Ctrl-C reaches every process of the foreground group, and torchrun passes it on
-    # to the ranks a second time: the ranks must take the two as one request and still save.
+@pytest.mark.parametrize("sent", ["ctrl-c", "slurm"])
+def test_ctrl_c_under_torchrun_saves_a_checkpoint_and_leaves_no_process(script, sent, tmp_path):
+    # A terminal's Ctrl-C reaches the foreground process group: torchrun alone, which starts each
+    # rank in a session of its own (its `SubprocessHandler`, pytorch/pytorch#113231) and passes the
+    # signal on once. SLURM's `scancel` or time limit signals every process of the job, the ranks
+    # too, and torchrun passes it on a second time: the ranks must take the two as one request
+    # (`Signals.same_within`) and still save.
     arguments, steps_per_update = TORCHRUN[script.module.__name__]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), script.path, *arguments, "--total-timesteps", "10000000", "--checkpoint-every",
@@ -122,7 +126,11 @@ def test_ctrl_c_under_torchrun_saves_a_checkpoint_and_leaves_no_process(script, 
         time.sleep(5)
         tree = process_tree(process.pid)
         assert len(tree) >= 4  # 2 ranks and their workers
-        os.killpg(process.pid, signal.SIGINT)
+        if sent == "ctrl-c":
+            os.killpg(process.pid, signal.SIGINT)
+        else:
+            for pid in [process.pid, *tree]:
+                os.kill(pid, signal.SIGTERM)
         output, _ = process.communicate(timeout=120)
     finally:
         process.kill()
