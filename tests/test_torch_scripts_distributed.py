@@ -1,6 +1,7 @@
 """ppo_atari.py and vpg_continuous.py past one device: what the two scripts' ranks do alike, written
 once and run for both (each script's own tests of its ranks are in its own file)."""
 
+import contextlib
 import importlib
 import json
 import multiprocessing as mp
@@ -130,7 +131,8 @@ def test_ctrl_c_under_torchrun_saves_a_checkpoint_and_leaves_no_process(script, 
             os.killpg(process.pid, signal.SIGINT)
         else:
             for pid in [process.pid, *tree]:
-                os.kill(pid, signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):  # one that has just ended
+                    os.kill(pid, signal.SIGTERM)
         output, _ = process.communicate(timeout=120)
     finally:
         process.kill()
