@@ -2384,9 +2384,10 @@ def record_videos(config: AtariConfig, env_id: str, env: BatchedEnv, network: nn
         # Each is written under a hidden name and shown once whole: a recording stopped part way leaves no file.
         paths = [video_dir / (f"{name}-{env.game}-game{index:02d}.mp4" if atari else f"{name}-{env_id}-episode{index:02d}.mp4")
                  for index in range(env.num_envs)]
-        for path in paths:
-            stack.callback(path.with_name(f".{path.name}").unlink, missing_ok=True)
-        videos = [stack.enter_context(contextlib.closing(Video(path.with_name(f".{path.name}"), fps))) for path in paths]
+        hidden = [path.with_name(f".{path.name}") for path in paths]
+        for path in hidden:
+            stack.callback(path.unlink, missing_ok=True)  # run after the videos are closed
+        videos = [stack.enter_context(contextlib.closing(Video(path, fps))) for path in hidden]
 
         while (playing := np.asarray(carry[3])).any():
             if not atari:  # each gymnax state a step starts from: the first, and every step's but the last
