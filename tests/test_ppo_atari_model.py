@@ -97,6 +97,7 @@ def test_auto_precision_keeps_float32_on_a_gpu_whatever_the_cpu(fast_bf16, monke
     for device in (torch.device("cpu"), torch.device("cuda", 0)):  # as asked, anywhere
         assert ppo_atari.use_bf16("bf16", device) and not ppo_atari.use_bf16("fp32", device)
 
+
 def test_bytes_are_scaled_to_unit_range():
     model = ppo_atari.make_model(SHAPE, n_actions=4)
     frames = torch.randint(0, 256, (2, 4, 84, 84), dtype=torch.uint8)
