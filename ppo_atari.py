@@ -919,9 +919,14 @@ class WorkerError(RuntimeError):
     """A worker process failed: the message carries its traceback, or how it died."""
 
 
-def game_seeds(seed: int, count: int) -> np.ndarray:
-    """`count` distinct, independent seeds for the games of a run seeded with `seed`."""
-    return np.random.SeedSequence(seed).generate_state(count)
+def game_seeds(seed: int, count: int, first_update: int = 0) -> np.ndarray:
+    """`count` distinct, independent seeds for the games of a run seeded with `seed`.
+
+    A run resumed at a later update draws new ones, so it does not replay the games the first part
+    of the run began with.
+    """
+    entropy = seed if first_update == 0 else [seed, first_update]
+    return np.random.SeedSequence(entropy).generate_state(count)
 
 
 def shared_arrays(context, num_envs: int, observation_shape: tuple[int, ...]) -> dict[str, tuple]:
@@ -1021,11 +1026,11 @@ class Workers:
     """
 
     def __init__(self, env_id: str, num_envs: int, num_workers: int, seed: int, game_options: dict,
-                 start_method: str | None = None, first_game: int = 0, make_env=make_env):
+                 start_method: str | None = None, first_update: int = 0, first_game: int = 0, make_env=make_env):
         context = mp.get_context(start_method)
         self.num_envs = num_envs
         # Games `first_game, first_game + 1, ...` of the run: each rank of a distributed run plays its own.
-        seeds = game_seeds(seed, first_game + num_envs)[first_game:]
+        seeds = game_seeds(seed, first_game + num_envs, first_update)[first_game:]
         first = make_env(env_id, int(seeds[0]), game_options)
         self.observation_shape, self.n_actions = tuple(first.obs.shape), first.n_actions
         del first
@@ -1589,12 +1594,12 @@ class RunTrainer(FastSamplingTrainer):
 
 # ### Checkpoints
 #
-# A checkpoint holds all the state of training: the model, Adam's moments, the counters, the
-# random state of every rank and the configuration. The games themselves restart on resume; their
-# emulator state is not saved. It is written to a temporary file of this process's own, then
-# renamed over the last one, so a crash never leaves half a file; a write that fails (on a full
-# disk, say) is one line naming the checkpoint that is still whole. It is read with
-# `weights_only=True`: tensors and plain data.
+# A checkpoint holds all the state of training: the model, Adam's moments, the counters, the random
+# state of every rank and the configuration. The games themselves restart on resume, new games from
+# new seeds (`game_seeds`); their emulator state is not saved. It is written to a temporary file of
+# this process's own, then renamed over the last one, so a crash never leaves half a file; a write
+# that fails (on a full disk, say) is one line naming the checkpoint that is still whole. It is read
+# with `weights_only=True`: tensors and plain data.
 
 
 CHECKPOINT_FORMAT = "ppo_atari/1"
@@ -2005,7 +2010,8 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
             # writer does), so that forking them is safe.
             envs = opened.enter_context(RunWorkers(
                 env_id, config.num_envs, num_workers, config.seed, game_options(config),
-                None if config.start_method == "default" else config.start_method, first_game=ranks.rank * config.num_envs,
+                None if config.start_method == "default" else config.start_method,
+                first_update=checkpoint["update"] if checkpoint else 0, first_game=ranks.rank * config.num_envs,
                 signals=signals if ranks.size == 1 else None, make_env=game_maker(config, env_id, run_dir, checkpoint)))
             device = choose_device(config.device, ranks.local_rank)
             ranks.start(device)
@@ -2329,10 +2335,10 @@ def game_maker(config: RunConfig, env_id: str, run_dir: Path, checkpoint: dict |
     videos' names hold the update their stretch of training started at, so a resumed run adds its own."""
     if not config.capture_video:
         return make_env
-    return functools.partial(make_recorded_env, recorded_seed=int(game_seeds(config.seed, 1)[0]),
+    first_update = checkpoint["update"] if checkpoint else 0
+    return functools.partial(make_recorded_env, recorded_seed=int(game_seeds(config.seed, 1, first_update)[0]),
                              video_dir=run_dir / "videos", fps=60 / config.frame_skip,
-                             name=f"train-{gym.spec(env_id).name}-from-update{checkpoint['update'] if checkpoint else 0}"
-                                  "-game{:04d}.mp4")
+                             name=f"train-{gym.spec(env_id).name}-from-update{first_update}-game{{:04d}}.mp4")
 
 
 # ### main

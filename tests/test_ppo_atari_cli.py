@@ -112,6 +112,23 @@ def test_resume_continues_on_schedule(trained, tmp_path):
     assert checkpoint["recent_scores"] == (first_scores + new_scores)[-20:]
 
 
+def test_a_resumed_run_plays_new_games(trained, tmp_path, monkeypatch, capsys):
+    # The games restart on resume (their emulator state is not saved); from new seeds, so that a job
+    # resumed many times does not open each stretch of its training with the same games.
+    seeds, make_env = [], ppo_atari.make_env
+
+    def recording(env_id, seed, options, **kwargs):  # in this process, the game that probes the games' shape
+        seeds.append(int(seed))
+        return make_env(env_id, seed, options, **kwargs)
+
+    monkeypatch.setattr(ppo_atari, "make_env", recording)
+    status, _, err = PPO_ATARI.run_main(capsys, "--resume", trained[0] / "checkpoint.pt", "--total-timesteps", 5120,
+                                        "--run-dir", tmp_path)
+    assert status == 0, err
+    assert seeds == [ppo_atari.game_seeds(3, 1, first_update=4)[0]]
+    assert seeds[0] not in ppo_atari.game_seeds(3, 8)
+
+
 def test_a_checkpoint_without_recent_scores_still_resumes(trained, tmp_path):
     run_dir, _ = trained
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)

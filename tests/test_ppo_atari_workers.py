@@ -172,3 +172,4 @@ def test_games_get_distinct_seeds():
     assert len(set(seeds.tolist())) == 16
     assert not np.array_equal(seeds, ppo_atari.game_seeds(2, 16))
     np.testing.assert_array_equal(seeds[:4], ppo_atari.game_seeds(1, 4))
+    assert not set(ppo_atari.game_seeds(1, 16, first_update=40).tolist()) & set(seeds.tolist())
