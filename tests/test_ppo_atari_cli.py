@@ -174,7 +174,7 @@ def test_eval_plays_whole_games_and_writes_videos(trained, tmp_path):
 
 
 def test_eval_reports_each_games_whole_score_from_games_unlike_the_training_ones(trained, monkeypatch, capsys):
-    seeds = []
+    seeds, actions = [], []
 
     class ThreeSteps:
         """Breakout's shape: a game of three steps that scores 2 points, none in its last step."""
@@ -190,6 +190,7 @@ def test_eval_reports_each_games_whole_score_from_games_unlike_the_training_ones
             return self.obs
 
         def step(self, action):
+            actions.append(int(action))
             self.steps += 1
             over = self.steps == 3
             return ppo_atari.Transition(reward=float(not over), terminated=over, truncated=False, game_over=over,
@@ -202,6 +203,10 @@ def test_eval_reports_each_games_whole_score_from_games_unlike_the_training_ones
     status, out, err = PPO_ATARI.run_main(capsys, "--eval", trained[0] / "checkpoint.pt", "--eval-episodes", 3)
     assert status == 0 and out.startswith("ALE/Breakout-v5: 3 games, score 2.0 ± 0.0 (min 2, max 2)"), err
     assert set(seeds[1:]).isdisjoint(ppo_atari.game_seeds(3, 1000).tolist())  # after the probe of the network's shape
+    # The policy samples its actions, from draws seeded by --seed: an evaluation can be played again.
+    first = actions[:]
+    assert PPO_ATARI.run_main(capsys, "--eval", trained[0] / "checkpoint.pt", "--eval-episodes", 3)[0] == 0
+    assert len(first) == 9 and actions == first + first
 
 
 @pytest.mark.parametrize("args, message", [

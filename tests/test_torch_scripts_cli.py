@@ -1,6 +1,7 @@
 """The command lines of ppo_atari.py and vpg_continuous.py where they behave alike, written once and
 run for both (each script's own, with its trained run, are in its own file)."""
 
+import copy
 import dataclasses
 import math
 import re
@@ -51,6 +52,36 @@ def test_the_rollouts_of_every_rank_on_the_machine_count_against_its_memory(scri
     with pytest.raises(module.ConfigError, match=r"of 8 envs x 128 steps \(x 2 ranks on this machine\) need 1.1 GiB "
                                                  r"of memory, more than this machine's 1.0 GiB"):
         module.check_rollout_fits(config, 600_000, module.Ranks(size=2, local_size=2))
+
+
+def test_integer_flags_take_powers_of_ten_and_underscores_and_keep_every_digit(script):
+    integer = script.module.integer
+    assert integer("1e7") == integer("10_000_000") == integer("+10000000") == 10_000_000
+    assert integer("9007199254740993") == 2**53 + 1  # past the integers a float holds exactly
+    with pytest.raises(ValueError):
+        integer("2.5")
+
+
+def test_a_resumed_run_trains_on_from_its_checkpoints_random_state_and_adams_moments(script, tmp_path, monkeypatch,
+                                                                                      capsys):
+    first = tmp_path / "first" / "checkpoint.pt"
+    assert script.run_main(capsys, *script.tiny, "--total-timesteps", 256, "--run-dir", first.parent)[0] == 0
+    saved, seen = torch.load(first, weights_only=True), {}
+    train = script.module.RunTrainer.train
+
+    def train_and_look(trainer, *args, **kwargs):  # what the resumed run's first update starts from
+        seen.update(rng=torch.get_rng_state(), optimizer=copy.deepcopy(trainer.optimizer.state_dict()))
+        return train(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(script.module.RunTrainer, "train", train_and_look)
+    status, _, stderr = script.run_main(capsys, "--resume", first, "--total-timesteps", 384,
+                                        "--run-dir", tmp_path / "resumed")
+    assert status == 0, stderr
+    assert torch.equal(seen["rng"], saved["torch_rng"][0])
+    assert seen["optimizer"]["state"].keys() == saved["optimizer"]["state"].keys()
+    for index, moments in saved["optimizer"]["state"].items():
+        for name, value in moments.items():  # the step count, and each moment
+            torch.testing.assert_close(seen["optimizer"]["state"][index][name], value, rtol=0, atol=0)
 
 
 def test_ctrl_c_saves_a_checkpoint_and_leaves_no_process(script, tmp_path):

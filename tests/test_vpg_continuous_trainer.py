@@ -314,3 +314,5 @@ def test_evaluation_samples_or_takes_the_mean_action(deterministic, monkeypatch)
         assert set(sent) == {2.0}  # the mean, clipped
     else:
         assert 2.0 in sent and min(sent) < 2.0  # samples around the mean, about a quarter inside the bounds
+        vpg.evaluate(config, "Pendulum-v1", checkpoint)  # from draws seeded by --seed: played again, the same
+        assert sent[100:] == sent[:100]
