@@ -4,7 +4,9 @@ run for both (each script's own, with its trained run, are in its own file)."""
 import copy
 import dataclasses
 import math
+import os
 import re
+import signal
 
 import pytest
 import torch
@@ -82,6 +84,24 @@ def test_a_resumed_run_trains_on_from_its_checkpoints_random_state_and_adams_mom
     for index, moments in saved["optimizer"]["state"].items():
         for name, value in moments.items():  # the step count, and each moment
             torch.testing.assert_close(seen["optimizer"]["state"][index][name], value, rtol=0, atol=0)
+
+
+def test_one_process_stops_within_a_rollout_and_learns_nothing_from_its_part(script, tmp_path, monkeypatch, capsys):
+    # A Ctrl-C at the tenth step of the second rollout (64 steps each): the next step stops the run,
+    # without waiting for the rollout's last 54, and the checkpoint is the first update's.
+    steps, step = [], script.module.RunWorkers.step
+
+    def step_and_interrupt(workers, actions):
+        steps.append(actions)
+        if len(steps) == 64 + 10:
+            os.kill(os.getpid(), signal.SIGINT)
+        return step(workers, actions)
+
+    monkeypatch.setattr(script.module.RunWorkers, "step", step_and_interrupt)
+    status, _, stderr = script.run_main(capsys, *script.tiny, "--total-timesteps", 1024, "--run-dir", tmp_path)
+    assert status == 130 and len(steps) == 64 + 10, stderr
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["update"] == 1
+    assert "stopped at update 1; resume with --resume" in stderr
 
 
 def test_ctrl_c_saves_a_checkpoint_and_leaves_no_process(script, tmp_path):
