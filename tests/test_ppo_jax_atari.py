@@ -240,6 +240,28 @@ def test_resume_starts_new_games_and_a_foreign_game_is_refused(trained, run, tmp
     assert result.returncode == 2 and "has no runners.agent.params" in result.stderr
 
 
+def test_a_resumed_run_draws_new_games_from_its_update(trained, tmp_path, monkeypatch):
+    # Atari's games are not in a checkpoint: a resumed run starts new ones, from keys with its update
+    # folded in, so that a run resumed again and again does not open each stretch with the first games.
+    config, data = atari_config(num_seeds=1), jax.random.key_data
+    np.testing.assert_array_equal(data(ppo_jax.agent_keys(config, 0)), data(ppo_jax.agent_keys(config)))
+    assert not np.array_equal(data(ppo_jax.agent_keys(config, 2)), data(ppo_jax.agent_keys(config)))
+    asked = []
+
+    class Enough(Exception):
+        """Raised where the resumed run has chosen its keys: what follows is the first run's test."""
+
+    def agent_keys(config, first_update=0):
+        asked.append(first_update)
+        raise Enough
+
+    monkeypatch.setattr(ppo_jax, "agent_keys", agent_keys)
+    with pytest.raises(Enough):
+        ppo_jax.main(["--resume", str(trained[0] / "checkpoint.msgpack"), "--total-timesteps", "384",
+                      "--run-dir", str(tmp_path)])
+    assert asked == [2]
+
+
 def test_eval_plays_whole_games_and_writes_videos(trained, run, tmp_path):
     run_dir, _ = trained
     result = run("--eval", run_dir / "checkpoint.msgpack", "--eval-episodes", 2, "--capture-video",
