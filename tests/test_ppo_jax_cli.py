@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import flax.serialization
 import jax
@@ -82,6 +83,32 @@ def test_the_run_logs_the_agents_spread_and_every_agent_in_one_file(trained):
         ended = series["episodes"][:, agent] > 0
         np.testing.assert_allclose(series["episodic_return"][ended, agent],
                                    [value for _, value in agents[agent]["charts/episodic_return"]], rtol=1e-6)
+
+
+def test_an_episodes_tags_are_written_at_the_updates_that_ended_one(tmp_path):
+    # Two agents, three updates: agent 0 ends an episode in the second, agent 1 in none. Their writers
+    # have the episode's tags there alone; the run's own, over the agents that ended one, there too.
+    class Writer:
+        def __init__(self):
+            self.tags = {}
+
+        def add(self, step, *values):
+            for value in values:
+                self.tags.setdefault(value.tag, []).append(step)
+
+    ended = np.array([[0, 0], [1, 0], [0, 0]])
+    episodic = np.where(ended > 0, 21.0, np.nan)
+    metrics = {"episodes": ended, "learning_rate": np.ones((3, 2)), "clip_range": np.ones((3, 2)),
+               "losses": {"policy_loss": np.zeros((3, 2))}, "episodic_return": episodic,
+               "episodic_length": episodic, "recent_return": np.array([[np.nan, np.nan], [21, np.nan], [21, np.nan]])}
+    config = ppo_jax.RunConfig(num_seeds=2, num_envs=2, num_steps=8)
+    run = types.SimpleNamespace(config=config, writer=Writer(), writers=[Writer(), Writer()], dir=tmp_path,
+                                progress=ppo_jax.Progress(48, 0, 2, "episodes"), signals=ppo_jax.Signals())
+    ppo_jax.log_chunk(run, metrics, np.array([1, 0]), 3, 0, 100.0)
+    for tag in ["charts/episodic_return", "charts/episodic_length", "charts/episodic_return_last_100"]:
+        assert run.writers[0].tags[tag] == [32] and tag not in run.writers[1].tags
+        assert run.writer.tags[tag] == run.writer.tags[f"{tag}/min"] == [32]
+    assert run.writers[1].tags["losses/policy_loss"] == run.writer.tags["charts/learning_rate"] == [16, 32, 48]
 
 
 def test_a_record_torn_by_a_crash_is_left_out_and_the_rest_read(trained, tmp_path):
