@@ -228,9 +228,12 @@ def test_a_terminal_that_hangs_up_stops_the_run_with_a_checkpoint(script, tmp_pa
     assert not [pid for pid in workers if alive(pid)]
 
 
-def test_a_sigterm_to_the_whole_process_group_stops_the_run_with_a_checkpoint(script, tmp_path):
+@pytest.mark.parametrize("start_method", ["default", "spawn"])
+def test_a_sigterm_to_the_whole_process_group_stops_the_run_with_a_checkpoint(script, start_method, tmp_path):
     # As `kill -- -PGID` and SLURM's `scancel` send it: the workers hear it too, and leave it to the run.
+    # Forked, they would also have the run's handler; spawned, only their own ignoring keeps them alive.
     process = subprocess.Popen([sys.executable, script.path, *map(str, [*script.tiny, "--total-timesteps", 10**7,
+                                                                        "--start-method", start_method,
                                                                         "--run-dir", tmp_path])],
                                stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
     try:
