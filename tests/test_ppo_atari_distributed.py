@@ -177,9 +177,12 @@ def test_each_rank_plays_its_own_slice_of_the_run_games(breakout_id):
 
 def test_torchrun_trains_on_two_ranks_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
-    process = torchrun("--total-timesteps", 512, "--checkpoint-every", 2, "--run-dir", run_dir)
+    # --num-workers 0: the ranks on one machine share its cores, each taking its part for its workers.
+    process = torchrun("--total-timesteps", 512, "--checkpoint-every", 2, "--run-dir", run_dir, "--num-workers", 0)
     output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output
+    workers = max(1, min(2, len(os.sched_getaffinity(0)) // 2))
+    assert f"2 games in {workers} worker{'s' * (workers > 1)} on each of 2 ranks" in output
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     # 2 ranks x 2 games x 32 steps = 128 agent steps an update.
     assert checkpoint["ranks"] == 2 and checkpoint["update"] == 4 and checkpoint["global_step"] == 512

@@ -2,6 +2,7 @@
 What the ranks of both PyTorch scripts do alike is tested once, in `test_torch_scripts_distributed.py`."""
 
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -225,9 +226,12 @@ def torchrun(*args, **popen) -> subprocess.Popen:
 
 def test_torchrun_trains_on_two_ranks_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
-    process = torchrun("--total-timesteps", 1024, "--checkpoint-every", 2, "--run-dir", run_dir)
+    # --num-workers 0: the ranks on one machine share its cores, each taking its part for its workers.
+    process = torchrun("--total-timesteps", 1024, "--checkpoint-every", 2, "--run-dir", run_dir, "--num-workers", 0)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output
+    workers = max(1, min(2, len(os.sched_getaffinity(0)) // 2))
+    assert f"2 envs in {workers} worker{'s' * (workers > 1)} on each of 2 ranks" in output
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     # 2 ranks x 2 envs x 64 steps = 256 steps an update.
     assert checkpoint["ranks"] == 2 and checkpoint["update"] == 4 and checkpoint["global_step"] == 1024
