@@ -51,6 +51,12 @@ def test_a_state_dependent_scale_follows_the_state():
         policy.scale.weight.normal_()
     _, std = policy(torch.randn(8, 4))
     assert std.min() > 1e-3 and std.std(0).min() > 0.01
+    with torch.no_grad():  # however far the head pushes it down, the floor keeps sigma, and log pi, finite
+        policy.scale.weight.zero_()
+        policy.scale.bias.fill_(-200.0)
+    mean, std = policy(torch.randn(8, 4))
+    torch.testing.assert_close(std, torch.full_like(std, 1e-3))
+    assert vpg.gaussian_log_prob(mean, std, mean + 1.0).isfinite().all()
     free = vpg.GaussianPolicy(4, 2, state_dependent_std=False)
     _, std = free(torch.randn(8, 4))
     assert std.std(0).max() == 0
