@@ -2116,8 +2116,8 @@ class DivergedError(RuntimeError):
 
 
 def agent_keys(config: Config, first_update: int = 0) -> jax.Array:
-    """One key per agent, split from `--seed`. A run resumed at a later update folds it in: Atari's games,
-    which a checkpoint does not hold (see `storable`), start anew from other seeds than the first run's."""
+    """One key per agent, split from `--seed`, with `first_update` folded in where a resumed run asks for new
+    games: Atari's, which a checkpoint does not hold (see `storable`), so that they are not the first run's."""
     keys = jax.random.split(jax.random.key(config.seed), config.num_seeds)
     return keys if first_update == 0 else jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, first_update)
 
@@ -2153,8 +2153,8 @@ def train_compiled(config: RunConfig, env_id: str, checkpoint: dict | None, sign
     try:
         with run.opened:  # whatever the end, what the run opened is closed here (see `Run`)
             training = make_train(config, env_id, convolution_layer())
-            keys = agent_keys(config, checkpoint["update"] if checkpoint else 0)  # a resumed Atari run: new games
             atari = isinstance(training.env, AtariEnv)
+            keys = agent_keys(config, checkpoint["update"] if checkpoint and atari else 0)  # new games, see `storable`
             # The chunks' program needs only the runners' shapes: it compiles in a thread while this one makes
             # the agents (XLA lets go of Python's lock as it compiles), seconds each for thousands of agents.
             init, mesh = jax.jit(jax.vmap(training.init)), seed_mesh(config.num_seeds)
