@@ -249,7 +249,7 @@ def test_a_resumed_run_draws_new_games_from_its_update(trained, tmp_path, monkey
     asked = []
 
     class Enough(Exception):
-        """Raised where the resumed run has chosen its keys: what follows is the first run's test."""
+        """Ends the resumed run once it has asked for its keys: the run itself is the test above's."""
 
     def agent_keys(config, first_update=0):
         asked.append(first_update)
