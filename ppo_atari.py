@@ -2001,6 +2001,7 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
         if ranks.is_main and checkpoint is None and (run_dir / "checkpoint.msgpack").exists():  # one run a directory
             raise ConfigError(f"{run_dir} already holds a run of ppo_jax.py (checkpoint.msgpack); choose another --run-dir")
         torch.manual_seed(config.seed + ranks.rank)
+        first_update = checkpoint["update"] if checkpoint is not None else 0
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         num_workers = config.num_workers or max(1, min(config.num_envs, cores // ranks.local_size))
         opened.callback(ranks.close)
@@ -2011,8 +2012,8 @@ def train(config: RunConfig, env_id: str, checkpoint: dict | None = None) -> int
             envs = opened.enter_context(RunWorkers(
                 env_id, config.num_envs, num_workers, config.seed, game_options(config),
                 None if config.start_method == "default" else config.start_method,
-                first_update=checkpoint["update"] if checkpoint else 0, first_game=ranks.rank * config.num_envs,
-                signals=signals if ranks.size == 1 else None, make_env=game_maker(config, env_id, run_dir, checkpoint)))
+                first_update=first_update, first_game=ranks.rank * config.num_envs,
+                signals=signals if ranks.size == 1 else None, make_env=game_maker(config, env_id, run_dir, first_update)))
             device = choose_device(config.device, ranks.local_rank)
             ranks.start(device)
             # The trainer that runs: `RunTrainer` in one process, Part 4's `DataParallelRunTrainer` on each rank.
@@ -2329,13 +2330,12 @@ def make_recorded_env(env_id: str, seed: int, options: dict, obs: np.ndarray | N
     return RecordedGame(game, video_dir, name, fps) if int(seed) == recorded_seed else game
 
 
-def game_maker(config: RunConfig, env_id: str, run_dir: Path, checkpoint: dict | None) -> typing.Callable:
+def game_maker(config: RunConfig, env_id: str, run_dir: Path, first_update: int) -> typing.Callable:
     """What the workers make their games with: `make_env`, or with `--capture-video` `make_recorded_env`
     for the run's first game (the first of rank 0, whose seed is the first of `game_seeds`). The
     videos' names hold the update their stretch of training started at, so a resumed run adds its own."""
     if not config.capture_video:
         return make_env
-    first_update = checkpoint["update"] if checkpoint else 0
     return functools.partial(make_recorded_env, recorded_seed=int(game_seeds(config.seed, 1, first_update)[0]),
                              video_dir=run_dir / "videos", fps=60 / config.frame_skip,
                              name=f"train-{gym.spec(env_id).name}-from-update{first_update}-game{{:04d}}.mp4")
