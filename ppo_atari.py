@@ -2358,7 +2358,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"not {game_name(env_id)}")
         if config.eval is None:
             return train(config, env_id, checkpoint)
-        scores = evaluate(config, env_id, checkpoint)
+        with Signals():  # SIGTERM and SIGHUP end it as Ctrl-C does, once its unfinished videos are deleted
+            scores = evaluate(config, env_id, checkpoint)
         print(f"{env_id}: {how_many(len(scores), 'game')}, score {np.mean(scores):.1f} ± {np.std(scores):.1f} "
               f"(min {min(scores):g}, max {max(scores):g})")
         return 0
@@ -2368,9 +2369,9 @@ def main(argv: list[str] | None = None) -> int:
     except WriteFailed as error:
         print(f"\n{prog}: error: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # before the run began (reading the checkpoint, say), or while evaluating
+    except KeyboardInterrupt as interrupt:  # before the run began (reading the checkpoint, say), or while evaluating
         print(f"\n{prog}: interrupted", file=sys.stderr)
-        return 130
+        return getattr(interrupt, "status", 130)  # `Aborted`'s: 143 after SIGTERM
 
 
 # ## Part 4: More than one device

@@ -2349,8 +2349,15 @@ def evaluate_compiled(config: RunConfig, env_id: str, checkpoint: dict) -> np.nd
                  compiled_memory(evaluate), mesh, fewer="--eval-episodes")
     videos = []
     if config.capture_video:
-        videos = record_videos(config, env_id, env, training.network, jax.tree.map(lambda value: value[0], agents),
-                               keys[0], writable_dir(Path(config.run_dir or Path(config.eval).parent) / "videos"), "eval")
+        # SIGTERM and SIGHUP end the recording as Ctrl-C does, its unfinished videos deleted, with 143 or 129.
+        ended = {sig: signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+                 for sig in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(sig) != signal.SIG_IGN}
+        try:
+            videos = record_videos(config, env_id, env, training.network, jax.tree.map(lambda value: value[0], agents),
+                                   keys[0], writable_dir(Path(config.run_dir or Path(config.eval).parent) / "videos"), "eval")
+        finally:
+            for sig, handler in ended.items():
+                signal.signal(sig, handler)
         print(f"videos in {videos[0].parent}", file=sys.stderr)
     returns = np.asarray(evaluate(*placed))
     if config.track:

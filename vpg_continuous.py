@@ -2339,7 +2339,8 @@ def main(argv: list[str] | None = None) -> int:
         spaces = describe_env(env_id)
         if config.eval is None:
             return train(config, env_id, spaces, checkpoint)
-        returns = evaluate(config, env_id, checkpoint)
+        with Signals():  # SIGTERM and SIGHUP end it as Ctrl-C does, once its unfinished videos are deleted
+            returns = evaluate(config, env_id, checkpoint)
         print(f"{env_id}: {how_many(len(returns), 'episode')}, return {np.mean(returns):.1f} ± {np.std(returns):.1f} "
               f"(min {min(returns):.1f}, max {max(returns):.1f})")
         return 0
@@ -2349,9 +2350,9 @@ def main(argv: list[str] | None = None) -> int:
     except WriteFailed as error:
         print(f"\n{prog}: error: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # before the run began (reading the checkpoint, say), or while evaluating
+    except KeyboardInterrupt as interrupt:  # before the run began (reading the checkpoint, say), or while evaluating
         print(f"\n{prog}: interrupted", file=sys.stderr)
-        return 130
+        return getattr(interrupt, "status", 130)  # `Aborted`'s: 143 after SIGTERM
 
 
 # ## Part 4: More than one device

@@ -209,6 +209,24 @@ def test_eval_reports_each_games_whole_score_from_games_unlike_the_training_ones
     assert len(first) == 9 and actions == first + first
 
 
+def test_sigterm_ends_an_evaluation_and_deletes_its_unfinished_videos(trained, monkeypatch, capsys, tmp_path):
+    # SIGTERM ended the process outright, leaving the hidden files of the videos being written.
+    step, steps = ppo_atari.RecordedGame.step, []
+
+    def step_then_sigterm(game, action):
+        steps.append(game.name)
+        if len(steps) == 20:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(game, action)
+
+    monkeypatch.setattr(ppo_atari.RecordedGame, "step", step_then_sigterm)
+    status, _, err = PPO_ATARI.run_main(capsys, "--eval", trained[0] / "checkpoint.pt", "--eval-episodes", 2,
+                                        "--capture-video", "--run-dir", tmp_path)
+    assert status == 143 and err.strip() == "ppo_atari.py: interrupted", err
+    assert len(set(steps)) == 2 and not list((tmp_path / "videos").iterdir())
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # given back
+
+
 @pytest.mark.parametrize("args, message", [
     (["--env", "Breakot"], "unknown Atari game 'Breakot'; did you mean Breakout"),
     (["--num-minibatches", "3"], "does not split into 3 minibatches"),

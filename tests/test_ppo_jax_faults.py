@@ -147,20 +147,28 @@ def test_eval_videos_where_they_cannot_be_written_exit_2(small, capsys, tmp_path
         capsys, "--eval", small[0], "--eval-episodes", 1, "--capture-video", "--run-dir", tmp_path / "file" / "eval")
 
 
-def test_eval_stopped_while_it_records_leaves_no_video(small, monkeypatch, capsys, tmp_path):
-    # Ctrl-C part way used to leave each episode's video closed where it stood, under the name of a whole one.
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_eval_stopped_while_it_records_leaves_no_video(signum, small, monkeypatch, capsys, tmp_path):
+    # Ctrl-C part way used to leave each episode's video closed where it stood, under the name of a whole one;
+    # SIGTERM ended the process outright, leaving the hidden files of the videos it was writing.
     write, frames = ppo_jax.Video.write, []
 
     def interrupted_write(video, frame):
         frames.append(video.path)
+        if len(frames) == 40 and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # Python's Ctrl-C
         if len(frames) == 40:
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), signum)
         write(video, frame)
 
     monkeypatch.setattr(ppo_jax.Video, "write", interrupted_write)
-    assert ppo_jax.main(list(map(str, ["--eval", small[0], "--eval-episodes", 2, "--capture-video",
-                                       "--run-dir", tmp_path]))) == 130
-    assert len(set(frames)) == 2 and not list((tmp_path / "videos").iterdir())
+    try:
+        status = ppo_jax.main(list(map(str, ["--eval", small[0], "--eval-episodes", 2, "--capture-video",
+                                             "--run-dir", tmp_path])))
+    except SystemExit as exit:
+        status = exit.code
+    assert status == 128 + signum and len(set(frames)) == 2 and not list((tmp_path / "videos").iterdir())
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # given back
     capsys.readouterr()
 
 

@@ -172,7 +172,8 @@ def test_eval_plays_whole_episodes_and_writes_videos(trained, tmp_path):
 
 
 def test_sigterm_stops_an_evaluation_that_records_videos(trained, tmp_path):
-    # pygame's SDL, as it first renders, took SIGTERM for its own: the evaluation played on to the end.
+    # pygame's SDL, as it first renders, took SIGTERM for its own: the evaluation played on to the end. Once
+    # that was mended, SIGTERM ended the process outright, leaving the hidden files of the videos being written.
     process = subprocess.Popen([sys.executable, SCRIPT, *map(str, ["--eval", trained[0] / "checkpoint.pt", "--eval-episodes",
                                                                    2, "--max-episode-steps", 5000, "--capture-video",
                                                                    "--run-dir", tmp_path])], cwd=ROOT,
@@ -183,7 +184,8 @@ def test_sigterm_stops_an_evaluation_that_records_videos(trained, tmp_path):
                 break
             time.sleep(0.1)
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == -signal.SIGTERM
+        assert process.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not list((tmp_path / "videos").iterdir())  # the unfinished videos' hidden files are deleted
     finally:
         process.kill()
 
