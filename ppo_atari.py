@@ -2318,7 +2318,8 @@ class RecordedGame:
     def close(self) -> None:
         """Close the game; the video of a game cut short by the end of the run is dropped."""
         if self.video is not None:
-            self.video.close()
+            with contextlib.suppress(OSError):  # the file goes all the same, if closing it fails (on a full disk, say)
+                self.video.close()
             self.video.path.unlink(missing_ok=True)
         self.game.close()
 

@@ -2290,7 +2290,8 @@ class RecordedTask(Task):
     def close(self) -> None:
         """Close the env; the video of an episode cut short by the end of the run is dropped."""
         if self.video is not None:
-            self.video.close()
+            with contextlib.suppress(OSError):  # the file goes all the same, if closing it fails (on a full disk, say)
+                self.video.close()
             self.video.path.unlink(missing_ok=True)
         super().close()
 

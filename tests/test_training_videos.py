@@ -2,6 +2,7 @@
 the run's first env, on CleanRL's schedule, as H.264 mp4s in the run directory, each one whole
 before it appears, and sent once to Weights & Biases with `--track`."""
 
+import errno
 import subprocess
 import sys
 
@@ -88,8 +89,9 @@ def test_vpg_records_its_first_env_while_training_and_a_resumed_run_adds_its_own
 
 
 @in_a_fresh_process
+@pytest.mark.parametrize("close_fails", [False, True], ids=["closes", "close-fails"])
 @pytest.mark.parametrize("script", ["ppo_atari", "vpg"])
-def test_an_episode_cut_short_by_the_end_of_the_run_leaves_no_file(script, tmp_path):
+def test_an_episode_cut_short_by_the_end_of_the_run_leaves_no_file(script, close_fails, tmp_path):
     if script == "ppo_atari":
         env = ppo_atari.RecordedGame(ppo_atari.make_env("ALE/Breakout-v5", 3, ppo_atari.game_options(ppo_atari.Config())),
                                      tmp_path, "train-x-game{:04d}.mp4", 15)
@@ -103,6 +105,8 @@ def test_an_episode_cut_short_by_the_end_of_the_run_leaves_no_file(script, tmp_p
         steps += 1
     assert steps < 150 and [path.name for path in tmp_path.iterdir()] == [".train-x-game0000.mp4" if script == "ppo_atari"
                                                           else ".train-x-episode0000.mp4"]
+    if close_fails:  # on a full disk, say: the file was left behind
+        env.video.close = lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device"))
     env.close()
     assert not list(tmp_path.iterdir())
 
