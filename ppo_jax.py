@@ -2349,9 +2349,11 @@ def evaluate_compiled(config: RunConfig, env_id: str, checkpoint: dict) -> np.nd
                  compiled_memory(evaluate), mesh, fewer="--eval-episodes")
     videos = []
     if config.capture_video:
-        # SIGTERM and SIGHUP end the recording as Ctrl-C does, its unfinished videos deleted, with 143 or 129.
-        ended = {sig: signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
-                 for sig in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(sig) != signal.SIG_IGN}
+        def end_recording(signum: int, frame: object) -> None:  # SIGTERM and SIGHUP as Ctrl-C: `main` exits 143 or 129
+            raise KeyboardInterrupt(128 + signum)  # and the unfinished videos are deleted on the way
+
+        ended = {sig: signal.signal(sig, end_recording) for sig in (signal.SIGTERM, signal.SIGHUP)
+                 if signal.getsignal(sig) != signal.SIG_IGN}  # `nohup` ignores SIGHUP, and so does this
         try:
             videos = record_videos(config, env_id, env, training.network, jax.tree.map(lambda value: value[0], agents),
                                    keys[0], writable_dir(Path(config.run_dir or Path(config.eval).parent) / "videos"), "eval")
@@ -2521,9 +2523,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # before training began (while compiling, say): nothing to save
+    except KeyboardInterrupt as interrupt:  # before training began (while compiling, say): nothing to save
         print(f"\n{PROG}: interrupted", file=sys.stderr)
-        return 130
+        return interrupt.args[0] if interrupt.args else 130  # a recording's SIGTERM or SIGHUP gives its status
     except OSError as error:  # a video of --eval that could not be written, on a full disk, say (training reports its own)
         print(f"\n{PROG}: error: {unwritten(error)}", file=sys.stderr)
         return 1
