@@ -210,20 +210,37 @@ def test_eval_reports_each_games_whole_score_from_games_unlike_the_training_ones
 
 
 def test_sigterm_ends_an_evaluation_and_deletes_its_unfinished_videos(trained, monkeypatch, capsys, tmp_path):
-    # SIGTERM ended the process outright, leaving the hidden files of the videos being written.
+    # SIGTERM ended the process outright, leaving the hidden files of the videos being written. The videos
+    # here are empty files: x264's and OpenCV's threads, once started in this process, would break the
+    # workers that a later test of it forks.
+    class EmptyVideo:
+        def __init__(self, path, fps):
+            self.path = path
+            path.write_bytes(b"")
+
+        def write(self, frame):
+            pass
+
+        def close(self):
+            pass
+
     step, steps = ppo_atari.RecordedGame.step, []
 
     def step_then_sigterm(game, action):
         steps.append(game.name)
         if len(steps) == 20:
+            assert sorted(path.name for path in (tmp_path / "videos").iterdir()) == [
+                ".eval-Breakout-game00.mp4", ".eval-Breakout-game01.mp4"]
             os.kill(os.getpid(), signal.SIGTERM)
         return step(game, action)
 
+    monkeypatch.setattr(ppo_atari, "Video", EmptyVideo)
+    monkeypatch.setattr(ppo_atari, "video_frame", lambda game: None)
     monkeypatch.setattr(ppo_atari.RecordedGame, "step", step_then_sigterm)
     status, _, err = PPO_ATARI.run_main(capsys, "--eval", trained[0] / "checkpoint.pt", "--eval-episodes", 2,
                                         "--capture-video", "--run-dir", tmp_path)
     assert status == 143 and err.strip() == "ppo_atari.py: interrupted", err
-    assert len(set(steps)) == 2 and not list((tmp_path / "videos").iterdir())
+    assert len(steps) == 20 and not list((tmp_path / "videos").iterdir())
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # given back
 
 
