@@ -106,7 +106,10 @@ def test_an_episode_cut_short_by_the_end_of_the_run_leaves_no_file(script, close
     assert steps < 150 and [path.name for path in tmp_path.iterdir()] == [".train-x-game0000.mp4" if script == "ppo_atari"
                                                           else ".train-x-episode0000.mp4"]
     if close_fails:  # on a full disk, say: the file was left behind
-        env.video.close = lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device"))
+        def close():
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        env.video.close = close
     env.close()
     assert not list(tmp_path.iterdir())
 
