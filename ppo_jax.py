@@ -2349,11 +2349,13 @@ def evaluate_compiled(config: RunConfig, env_id: str, checkpoint: dict) -> np.nd
                  compiled_memory(evaluate), mesh, fewer="--eval-episodes")
     videos = []
     if config.capture_video:
-        def end_recording(signum: int, frame: object) -> None:  # SIGTERM and SIGHUP as Ctrl-C: `main` exits 143 or 129
-            raise KeyboardInterrupt(128 + signum)  # and the unfinished videos are deleted on the way
+        # SIGTERM and SIGHUP end the recording as Ctrl-C does, its unfinished videos deleted (`main` exits 143 or
+        # 129). Not the compiled evaluation below: a Python handler would run only once it returned.
+        def end_recording(signum: int, frame: object) -> None:
+            raise KeyboardInterrupt(128 + signum)
 
         ended = {sig: signal.signal(sig, end_recording) for sig in (signal.SIGTERM, signal.SIGHUP)
-                 if signal.getsignal(sig) != signal.SIG_IGN}  # `nohup` ignores SIGHUP, and so does this
+                 if signal.getsignal(sig) != signal.SIG_IGN}  # a SIGHUP that `nohup` ignores stays ignored
         try:
             videos = record_videos(config, env_id, env, training.network, jax.tree.map(lambda value: value[0], agents),
                                    keys[0], writable_dir(Path(config.run_dir or Path(config.eval).parent) / "videos"), "eval")
